@@ -1,0 +1,65 @@
+"""The interface every graph backend implements: graphs, streams, pools and RNG state of one device kind."""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Any, ContextManager, Optional
+
+import torch
+
+CAPTURE_ERROR_MODES = ("global", "thread_local", "relaxed")
+
+
+class Backend(ABC):
+    """One device kind's graph API, reduced to what npugraph_train needs."""
+
+    name: str
+    device_type: str
+
+    @classmethod
+    @abstractmethod
+    def probe(cls) -> Optional[str]:
+        """Return None when the backend can run here, else a one-line reason why not."""
+
+    @abstractmethod
+    def new_graph(self) -> Any:
+        """A fresh native graph object (NPUGraph, CUDAGraph or the emulator's graph)."""
+
+    @abstractmethod
+    def graph_context(self, native_graph: Any, *, pool: Any, stream: Any, capture_error_mode: str,
+                      auto_dispatch_capture: bool) -> ContextManager:
+        """The backend's own ``graph(...)`` context manager for ``native_graph``."""
+
+    @abstractmethod
+    def graph_pool_handle(self) -> Any: ...
+
+    @abstractmethod
+    def is_current_stream_capturing(self) -> bool: ...
+
+    @abstractmethod
+    def new_stream(self) -> Any: ...
+
+    @abstractmethod
+    def current_stream(self) -> Any: ...
+
+    @abstractmethod
+    def stream(self, stream: Any) -> ContextManager: ...
+
+    @abstractmethod
+    def synchronize(self) -> None: ...
+
+    def get_rng_state(self) -> Any:
+        """Device RNG state (in addition to torch's CPU generator); None where there is none."""
+        return None
+
+    def set_rng_state(self, state: Any) -> None:
+        pass
+
+    def pool_bytes(self, native_graph: Any) -> Optional[int]:
+        """Bytes the graph's capture allocated, where the backend can tell; None otherwise."""
+        return None
+
+    def autocast_enabled(self) -> bool:
+        return torch.is_autocast_enabled(self.device_type)
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {self.name!r}>"

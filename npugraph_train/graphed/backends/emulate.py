@@ -1,0 +1,324 @@
+"""A CPU graph emulator: records the ops of a capture and replays exactly those ops on the same tensors.
+
+What it models, as a device graph behaves:
+
+- Capture records every ATen op that runs on the capturing thread (a ``TorchDispatchMode``), including
+  the backward ops of ``torch.autograd.grad``/``backward`` called inside the capture.
+- ``replay()`` re-executes the recorded ops on the very tensors seen at capture; results of
+  out-of-place ops are copied into the tensors captured as their outputs, in-place ops mutate their
+  captured arguments again, views are left as they are. Python code inside the captured region does
+  not run again, so rebinding a Python variable has no effect on replay: only ``copy_`` into captured
+  tensors does.
+- Capture runs no kernels on a device. The emulator has to run the ops to learn their outputs, so at
+  ``capture_end`` it undoes what capture did: tensors that existed before the capture get their
+  contents back (an optimizer step captured without a replay updates nothing), floating-point tensors
+  created by the capture are filled with NaN (reading an output before the first replay shows up),
+  and torch's CPU RNG state is restored (capture draws no random numbers).
+- Random ops draw new numbers on every replay, from torch's CPU generator.
+- Ops that make the host wait for device data (``.item()``, ``.tolist()``, ``.numpy()``, ``bool(t)``,
+  ``nonzero``, ``torch.equal``, ops with data-dependent output shapes) raise ``GraphCaptureError``
+  naming the op and the user's source line. So does ``torch.tensor(...)``/``as_tensor`` from host data,
+  which on a device is a host-to-device copy that breaks capture.
+- Streams: there is a default stream and side streams; capturing on the default stream is refused as on
+  NPU and CUDA. One capture at a time per process. Pools are handles that graphs may share.
+
+What it does not model: asynchrony and stream ordering (everything runs in order on the CPU), memory
+sharing between graphs of one pool (each capture keeps its own tensors alive), captures on other
+threads (``capture_error_mode`` is validated but other threads are not watched), device-specific kernel
+limits (aclop-only ops, dynamic-shape kernels, stream budgets) and numerical differences between
+device kernels. Explicit ``torch.Generator`` objects are not rewound at ``capture_end``.
+"""
+from __future__ import annotations
+
+import itertools
+import os
+import sysconfig
+import threading
+import traceback
+from contextlib import contextmanager
+from typing import Any, Callable, ContextManager, Iterator, List, Optional, Tuple
+
+import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
+from torch.utils._pytree import tree_flatten
+
+from ..errors import GraphCaptureError
+from .base import Backend
+
+_pool_ids = itertools.count(1)
+
+# Ops that read device data on the host, beyond those tagged data-dependent by ATen.
+_HOST_SYNC_OPS = {torch.ops.aten.is_nonzero.default}
+_HOST_DATA_OPS = {torch.ops.aten.lift_fresh.default, torch.ops.aten.lift_fresh_copy.default}
+_HOST_READ_METHODS = {torch.Tensor.tolist, torch.Tensor.numpy, torch.Tensor.__array__}
+
+_SKIP_DIRS = tuple(os.path.dirname(p) + os.sep for p in (torch.__file__, __file__.rsplit(os.sep, 3)[0] + os.sep))
+_STDLIB = sysconfig.get_paths()["stdlib"] + os.sep
+
+
+def user_source_line() -> str:
+    """``file:line: code`` of the innermost frame outside torch, npugraph_train, Lightning and the stdlib."""
+    for frame in reversed(traceback.extract_stack()):
+        path = frame.filename
+        if path.startswith(_SKIP_DIRS) or path.startswith(_STDLIB) or f"{os.sep}lightning{os.sep}" in path:
+            continue
+        return f"{path}:{frame.lineno}: {(frame.line or '').strip()}"
+    return "<unknown source line>"
+
+
+def _capture_error(what: str) -> GraphCaptureError:
+    return GraphCaptureError(
+        f"{what} during graph capture at {user_source_line()}. A graph cannot wait for the host to read "
+        "device data; move it out of the captured region, or keep the value on the device "
+        "(e.g. torch.where instead of a Python branch).")
+
+
+class EmulatedStream:
+    """A stream of the emulator: only identity matters, work runs in order on the CPU."""
+
+    def __init__(self, name: str = "side") -> None:
+        self.name = name
+
+    def wait_stream(self, other: "EmulatedStream") -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+    def __repr__(self) -> str:
+        return f"<EmulatedStream {self.name}>"
+
+
+_DEFAULT_STREAM = EmulatedStream("default")
+_local = threading.local()
+
+
+def _current_stream() -> EmulatedStream:
+    return getattr(_local, "stream", _DEFAULT_STREAM)
+
+
+@contextmanager
+def _stream(stream: Optional[EmulatedStream]) -> Iterator[None]:
+    if stream is None:
+        yield
+        return
+    previous = _current_stream()
+    _local.stream = stream
+    try:
+        yield
+    finally:
+        _local.stream = previous
+
+
+def _storage_key(t: torch.Tensor) -> int:
+    return t.untyped_storage().data_ptr()
+
+
+def _tensors(tree: Any) -> List[torch.Tensor]:
+    return [t for t in tree_flatten(tree)[0] if isinstance(t, torch.Tensor)]
+
+
+class _HostReadGuard(TorchFunctionMode):
+    """Catches tensor methods that copy data to the host without dispatching an ATen op."""
+
+    def __torch_function__(self, func: Callable, types: Any, args: tuple = (), kwargs: Optional[dict] = None):
+        if func in _HOST_READ_METHODS:
+            raise _capture_error(f"Tensor.{func.__name__}() reads tensor data on the host")
+        return func(*args, **(kwargs or {}))
+
+
+class _Recorder(TorchDispatchMode):
+    def __init__(self, graph: "EmulatedGraph") -> None:
+        super().__init__()
+        self.graph = graph
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None):
+        kwargs = kwargs or {}
+        if func in _HOST_SYNC_OPS or torch.Tag.data_dependent_output in func.tags:
+            raise _capture_error(f"op {func} reads tensor data on the host")
+        if torch.Tag.dynamic_output_shape in func.tags:
+            raise _capture_error(f"op {func} has an output shape that depends on tensor data")
+        if func in _HOST_DATA_OPS:
+            raise _capture_error(f"op {func} (torch.tensor/as_tensor) copies host data to the device")
+        self.graph._before_op(func, args, kwargs)
+        out = func(*args, **kwargs)
+        self.graph._record(func, args, kwargs, out)
+        return out
+
+
+_VIEW, _MUTATE, _FUNCTIONAL = range(3)
+
+
+class EmulatedGraph:
+    """The emulator's native graph: the NPUGraph surface over a list of recorded ops.
+
+    State checks (replay before capture, nested captures, ...) live in the device-neutral
+    :class:`npugraph_train.graphed.Graph`; this class only records and replays.
+    """
+
+    def __init__(self) -> None:
+        self._ops: List[Tuple[int, Any, tuple, dict, List[torch.Tensor]]] = []
+        self._pool: Optional[Tuple[int, int]] = None
+        self.captured_bytes = 0
+        self.auto_dispatch_capture = False
+
+    # capture -------------------------------------------------------------------------------------
+    def capture_begin(self, pool: Optional[Tuple[int, int]] = None, capture_error_mode: str = "global") -> None:
+        if _current_stream() is _DEFAULT_STREAM:
+            raise GraphCaptureError(
+                "graphs must be captured on a non-default stream (as on NPU and CUDA); capture inside "
+                "`with npugraph_train.graphed.stream(s):` or use the `graph(...)` context manager")
+        self._pool = pool if pool is not None else (0, next(_pool_ids))
+        self._ops = []
+        self.captured_bytes = 0
+        self._born: set = set()
+        self._saved: dict = {}  # storage key -> (storage, copy of its contents before capture)
+        self._rng_state = torch.get_rng_state()
+        _local.capture_stream = _current_stream()
+        self._modes = (_Recorder(self), _HostReadGuard())
+        for mode in self._modes:
+            mode.__enter__()
+
+    def capture_end(self) -> None:
+        for mode in reversed(self._modes):
+            mode.__exit__(None, None, None)
+        self._modes = ()
+        _local.capture_stream = None
+        with torch.no_grad(), _disable_current_modes():
+            for storage, saved in self._saved.values():
+                storage.copy_(saved)
+            for _, _, _, _, outs in self._ops:
+                for t in outs:
+                    if t.is_floating_point() or t.is_complex():
+                        t.fill_(float("nan"))
+        torch.set_rng_state(self._rng_state)
+        self._saved = {}
+        self._born = set()
+
+    def _before_op(self, func: Any, args: tuple, kwargs: dict) -> None:
+        # Snapshot tensors from before the capture that this op writes, so capture_end can undo it.
+        schema_args = func._schema.arguments
+        values = list(args) + [kwargs.get(a.name) for a in schema_args[len(args):]]
+        for arg, value in zip(schema_args, values):
+            if arg.alias_info is None or not arg.alias_info.is_write:
+                continue
+            for t in _tensors(value):
+                key = _storage_key(t)
+                if key not in self._born and key not in self._saved:
+                    storage = t.untyped_storage()
+                    with _disable_current_modes():
+                        self._saved[key] = (storage, storage.clone())
+
+    def _record(self, func: Any, args: tuple, kwargs: dict, out: Any) -> None:
+        schema = func._schema
+        writes = any(a.alias_info is not None and a.alias_info.is_write for a in schema.arguments)
+        aliases = any(r.alias_info is not None for r in schema.returns)
+        outs = _tensors(out)
+        if writes:
+            kind = _MUTATE
+        elif aliases:
+            kind = _VIEW
+        else:
+            # Some ops return views without saying so in their schema (e.g. _unsafe_view).
+            inputs = {_storage_key(t) for t in _tensors((args, kwargs))}
+            if outs and all(_storage_key(t) in inputs for t in outs):
+                kind = _VIEW
+            else:
+                kind = _FUNCTIONAL
+                for t in outs:
+                    key = _storage_key(t)
+                    if key not in inputs and key not in self._born:
+                        self._born.add(key)
+                        self.captured_bytes += t.untyped_storage().nbytes()
+        if kind != _VIEW:
+            self._ops.append((kind, func, args, kwargs, outs if kind == _FUNCTIONAL else []))
+
+    # use -----------------------------------------------------------------------------------------
+    def replay(self) -> None:
+        with torch.no_grad(), torch.autocast("cpu", enabled=False), _disable_current_modes():
+            for kind, func, args, kwargs, outs in self._ops:
+                result = func(*args, **kwargs)
+                if kind == _FUNCTIONAL:
+                    for dst, src in zip(outs, _tensors(result)):
+                        dst.copy_(src)
+
+    def reset(self) -> None:
+        self._ops = []
+        self._pool = None
+        self.captured_bytes = 0
+
+    def pool(self) -> Tuple[int, int]:
+        assert self._pool is not None, "checked by Graph.pool()"
+        return self._pool
+
+    @property
+    def num_ops(self) -> int:
+        return len(self._ops)
+
+
+class _EmulatedGraphContext:
+    """``graph(...)`` of the emulator: capture on a side stream, like ``torch_npu.npu.graph``."""
+
+    default_capture_stream: Optional[EmulatedStream] = None
+
+    def __init__(self, graph: EmulatedGraph, pool: Any, stream: Any, capture_error_mode: str,
+                 auto_dispatch_capture: bool) -> None:
+        if _EmulatedGraphContext.default_capture_stream is None:
+            _EmulatedGraphContext.default_capture_stream = EmulatedStream("capture")
+        self.graph = graph
+        self.pool = pool
+        self.stream_ctx = _stream(stream if stream is not None else self.default_capture_stream)
+        self.capture_error_mode = capture_error_mode
+        graph.auto_dispatch_capture = auto_dispatch_capture
+
+    def __enter__(self) -> None:
+        self.stream_ctx.__enter__()
+        try:
+            self.graph.capture_begin(pool=self.pool, capture_error_mode=self.capture_error_mode)
+        except BaseException:
+            self.stream_ctx.__exit__(None, None, None)
+            raise
+
+    def __exit__(self, *exc: Any) -> None:
+        try:
+            self.graph.capture_end()
+        finally:
+            self.stream_ctx.__exit__(*exc)
+
+
+class EmulateBackend(Backend):
+    name = "emulate"
+    device_type = "cpu"
+
+    @classmethod
+    def probe(cls) -> Optional[str]:
+        return None
+
+    def new_graph(self) -> EmulatedGraph:
+        return EmulatedGraph()
+
+    def graph_context(self, native_graph: Any, *, pool: Any, stream: Any, capture_error_mode: str,
+                      auto_dispatch_capture: bool) -> ContextManager:
+        return _EmulatedGraphContext(native_graph, pool, stream, capture_error_mode, auto_dispatch_capture)
+
+    def graph_pool_handle(self) -> Tuple[int, int]:
+        return (0, next(_pool_ids))
+
+    def is_current_stream_capturing(self) -> bool:
+        return _current_stream() is getattr(_local, "capture_stream", None)
+
+    def new_stream(self) -> EmulatedStream:
+        return EmulatedStream()
+
+    def current_stream(self) -> EmulatedStream:
+        return _current_stream()
+
+    def stream(self, stream: Any) -> ContextManager:
+        return _stream(stream)
+
+    def synchronize(self) -> None:
+        pass
+
+    def pool_bytes(self, native_graph: Any) -> Optional[int]:
+        return native_graph.captured_bytes

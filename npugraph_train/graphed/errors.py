@@ -1,0 +1,18 @@
+"""Exceptions of the graph layer."""
+
+
+class GraphCaptureError(RuntimeError):
+    """A region could not be captured as a graph.
+
+    Raised for ops that need the host to read device data during capture (``.item()``, ``nonzero``, ...),
+    for backend capture failures, and for modules that cannot be graphed. The message names the op or
+    module, the user's source line where known, and what to change.
+    """
+
+
+class GraphStateError(RuntimeError):
+    """A graph was used out of order: replay before capture, capture twice, nested captures, ..."""
+
+
+class BackendUnavailableError(RuntimeError):
+    """The requested graph backend is unknown or cannot run on this machine."""

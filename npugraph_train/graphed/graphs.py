@@ -1,0 +1,214 @@
+"""Device-neutral graph capture with torch_npu's NPUGraph surface.
+
+Two of the NPUGraph documentation's three styles live here (the third is ``make_graphed_callables``)::
+
+    import npugraph_train.graphed as ng
+
+    a = torch.ones(1000)
+    g = ng.Graph()
+    s = ng.new_stream()
+    with ng.stream(s):
+        g.capture_begin()
+        b = a
+        for _ in range(10):
+            b = b + 1
+        g.capture_end()
+    g.replay()
+
+    g2 = ng.Graph()
+    with ng.graph(g2):
+        c = a + 1
+    g2.replay()
+
+The same code runs on an Ascend NPU (torch_npu), a CUDA GPU and the CPU emulator; see
+:mod:`npugraph_train.graphed.backends` for how the backend is chosen.
+"""
+from __future__ import annotations
+
+import threading
+from typing import Any, ContextManager, Optional, Union
+
+from .backends import CAPTURE_ERROR_MODES, Backend, get_backend
+from .errors import GraphCaptureError, GraphStateError
+
+_EMPTY, _CAPTURING, _CAPTURED, _FAILED = "empty", "capturing", "captured", "failed"
+_capture_lock = threading.Lock()
+_active_capture: Optional["Graph"] = None
+
+
+def _check_capture_error_mode(mode: str) -> None:
+    if mode not in CAPTURE_ERROR_MODES:
+        raise ValueError(f"capture_error_mode={mode!r} is not one of {', '.join(CAPTURE_ERROR_MODES)}")
+
+
+class Graph:
+    """A graph of the chosen backend: ``torch.npu.NPUGraph``, ``torch.cuda.CUDAGraph`` or the emulator's.
+
+    Args:
+        backend: ``"npu"``, ``"cuda"``, ``"emulate"``, ``"auto"`` or None for the process default.
+    """
+
+    def __init__(self, backend: Union[str, Backend, None] = None) -> None:
+        self.backend = get_backend(backend)
+        self.native = self.backend.new_graph()
+        self._state = _EMPTY
+
+    # state bookkeeping shared by capture_begin/end and the graph context manager
+    def _start_capture(self) -> None:
+        global _active_capture
+        with _capture_lock:
+            if _active_capture is not None:
+                raise GraphStateError(
+                    "nested graph capture: another graph is being captured; finish it (capture_end() or "
+                    "leave its `with graph(...)` block) before starting a new one")
+            if self._state != _EMPTY:
+                raise GraphStateError(
+                    f"this graph already holds a {self._state} capture; call reset() before capturing "
+                    "into it again, or create a new Graph")
+            _active_capture = self
+            self._state = _CAPTURING
+
+    def _finish_capture(self, ok: bool) -> None:
+        global _active_capture
+        with _capture_lock:
+            _active_capture = None
+            self._state = _CAPTURED if ok else _FAILED
+
+    def capture_begin(self, pool: Any = None, capture_error_mode: str = "global") -> None:
+        """Begin capturing work on the current stream (which must not be the default stream)."""
+        _check_capture_error_mode(capture_error_mode)
+        self._start_capture()
+        try:
+            self.native.capture_begin(pool=pool, capture_error_mode=capture_error_mode)
+        except BaseException:
+            self._finish_capture(ok=False)
+            raise
+
+    def capture_end(self) -> None:
+        """End the capture begun by :meth:`capture_begin`."""
+        if self._state != _CAPTURING:
+            raise GraphStateError("capture_end() without a preceding capture_begin()")
+        try:
+            self.native.capture_end()
+        except BaseException:
+            self._finish_capture(ok=False)
+            raise
+        self._finish_capture(ok=True)
+
+    def replay(self) -> None:
+        """Run the captured work again."""
+        if self._state != _CAPTURED:
+            if self._state == _CAPTURING:
+                raise GraphStateError("replay() during this graph's own capture; call capture_end() first")
+            if self._state == _FAILED:
+                raise GraphStateError("replay() of a graph whose capture failed; reset() it and capture again")
+            raise GraphStateError("replay() before any capture; capture into this graph first")
+        if _active_capture is not None:
+            raise GraphStateError("replay() while another graph is being captured (a nested replay); "
+                                  "replay before or after that capture")
+        self.native.replay()
+
+    def reset(self) -> None:
+        """Drop the captured graph so that this object can capture again."""
+        if self._state == _CAPTURING:
+            raise GraphStateError("reset() during capture; call capture_end() first")
+        self.native.reset()
+        self._state = _EMPTY
+
+    def pool(self) -> Any:
+        """The memory pool handle of this graph, to share with later captures."""
+        if self._state != _CAPTURED:
+            raise GraphStateError("pool() without a preceding successful capture")
+        return self.native.pool()
+
+    def pool_bytes(self) -> Optional[int]:
+        """Bytes the capture allocated, where the backend can tell (emulator); None otherwise."""
+        return self.backend.pool_bytes(self.native) if self._state == _CAPTURED else None
+
+    @property
+    def is_captured(self) -> bool:
+        return self._state == _CAPTURED
+
+    def __repr__(self) -> str:
+        return f"<Graph {self.backend.name} {self._state}>"
+
+
+class graph:
+    """Capture the work of a ``with`` block into ``npu_graph``, the way ``torch_npu.npu.graph`` does.
+
+    Synchronises the device, frees cached memory and captures on a side stream (``stream``, or a
+    shared default capture stream). All arguments reach the backend as keywords.
+
+    Args:
+        npu_graph: the :class:`Graph` to capture into.
+        pool: a handle from :func:`graph_pool_handle` or ``other_graph.pool()`` to share memory.
+        stream: the stream to capture on.
+        auto_dispatch_capture: record updatable ops so that ``update()`` can change their host arguments
+            (torch_npu and the emulator).
+        capture_error_mode: ``"global"``, ``"thread_local"`` or ``"relaxed"``.
+    """
+
+    def __init__(self, npu_graph: Graph, pool: Any = None, stream: Any = None, auto_dispatch_capture: bool = False,
+                 capture_error_mode: str = "global") -> None:
+        if not isinstance(npu_graph, Graph):
+            raise TypeError(f"graph() needs an npugraph_train.graphed.Graph, got {type(npu_graph).__name__}")
+        _check_capture_error_mode(capture_error_mode)
+        self.npu_graph = npu_graph
+        self._ctx = npu_graph.backend.graph_context(
+            npu_graph.native, pool=pool, stream=stream, capture_error_mode=capture_error_mode,
+            auto_dispatch_capture=auto_dispatch_capture)
+
+    def __enter__(self) -> None:
+        self.npu_graph._start_capture()
+        try:
+            self._ctx.__enter__()
+        except BaseException:
+            self.npu_graph._finish_capture(ok=False)
+            raise
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> bool:
+        try:
+            self._ctx.__exit__(exc_type, exc, tb)
+        except BaseException as end_error:
+            self.npu_graph._finish_capture(ok=False)
+            if exc is None:
+                raise _as_capture_error(end_error) from end_error
+            raise _as_capture_error(exc) from exc
+        self.npu_graph._finish_capture(ok=exc is None)
+        if isinstance(exc, RuntimeError) and not isinstance(exc, (GraphCaptureError, GraphStateError)):
+            raise _as_capture_error(exc) from exc
+        return False
+
+
+def _as_capture_error(exc: BaseException) -> BaseException:
+    if isinstance(exc, (GraphCaptureError, GraphStateError)) or not isinstance(exc, RuntimeError):
+        return exc
+    return GraphCaptureError(
+        f"graph capture failed: {exc}. Common causes: host syncs (.item(), printing tensors), ops on the "
+        "CPU or another device, capturing on the default stream, shapes or control flow that depend on "
+        "tensor values; on NPU also aclop-only operators (try torch.npu.config.allow_internal_format=False)")
+
+
+def graph_pool_handle(backend: Union[str, Backend, None] = None) -> Any:
+    """A new memory pool handle for ``Graph.capture_begin(pool=...)`` and ``graph(..., pool=...)``."""
+    return get_backend(backend).graph_pool_handle()
+
+
+def is_current_stream_capturing(backend: Union[str, Backend, None] = None) -> bool:
+    """True while the current stream is capturing a graph."""
+    return get_backend(backend).is_current_stream_capturing()
+
+
+def new_stream(backend: Union[str, Backend, None] = None) -> Any:
+    """A new side stream of the backend (``torch.npu.Stream()``, ``torch.cuda.Stream()``, ...)."""
+    return get_backend(backend).new_stream()
+
+
+def stream(s: Any, backend: Union[str, Backend, None] = None) -> ContextManager:
+    """Make ``s`` the current stream inside a ``with`` block."""
+    return get_backend(backend).stream(s)
+
+
+def synchronize(backend: Union[str, Backend, None] = None) -> None:
+    """Wait for all work of the backend's device."""
+    get_backend(backend).synchronize()

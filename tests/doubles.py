@@ -1,0 +1,154 @@
+"""Test doubles of ``torch_npu`` and ``torch.cuda``'s graph functions.
+
+They follow the documented signatures (torch_npu 2.13/2.14: ``NPUGraph()``,
+``graph(npu_graph, pool=None, stream=None, auto_dispatch_capture=False, capture_error_mode="global")``;
+torch 2.13: ``graph(cuda_graph, pool=None, stream=None, capture_error_mode="global")``), record every
+call with its arguments, and run the work on the CPU emulator so that captured graphs really replay.
+"""
+from __future__ import annotations
+
+import importlib.machinery
+import sys
+import types
+from typing import Any, List, Tuple
+
+import torch
+
+from npugraph_train.graphed.backends import emulate
+
+CallLog = List[Tuple[str, tuple, dict]]
+
+
+class _DoubleStream(emulate.EmulatedStream):
+    def __init__(self, device: Any = None, priority: int = 0) -> None:
+        super().__init__("double")
+
+
+def _make_graph_class(log: CallLog, name: str) -> type:
+    class DoubleGraph:
+        def __init__(self) -> None:  # NPUGraph() takes no arguments
+            log.append((f"{name}()", (), {}))
+            self._emulated = emulate.EmulatedGraph()
+            self.auto_dispatch_capture = False
+            self.capturing_stream = None
+
+        def capture_begin(self, pool: Any = None, capture_error_mode: str = "global") -> None:
+            log.append(("capture_begin", (), {"pool": pool, "capture_error_mode": capture_error_mode}))
+            if capture_error_mode not in ("global", "thread_local", "relaxed"):
+                raise RuntimeError("Unknown capture error mode")
+            self.capturing_stream = emulate._current_stream()
+            self._emulated.capture_begin(pool=pool, capture_error_mode=capture_error_mode)
+
+        def capture_end(self) -> None:
+            log.append(("capture_end", (), {}))
+            self._emulated.capture_end()
+
+        def replay(self) -> None:
+            log.append(("replay", (), {}))
+            self._emulated.replay()
+
+        def reset(self) -> None:
+            log.append(("reset", (), {}))
+            self._emulated.reset()
+
+        def pool(self) -> Tuple[int, int]:
+            return self._emulated.pool()
+
+    DoubleGraph.__name__ = name
+    return DoubleGraph
+
+
+class _GraphContextBase:
+    default_capture_stream = None
+
+    def _enter(self, graph: Any, pool: Any, stream: Any, capture_error_mode: str) -> None:
+        if type(self).default_capture_stream is None:
+            type(self).default_capture_stream = _DoubleStream()
+        self.graph, self.pool, self.capture_error_mode = graph, pool, capture_error_mode
+        self.stream_ctx = emulate._stream(stream if stream is not None else self.default_capture_stream)
+
+    def __enter__(self) -> None:
+        self.stream_ctx.__enter__()
+        self.graph.capture_begin(*((self.pool,) if self.pool is not None else ()),
+                                 capture_error_mode=self.capture_error_mode)
+
+    def __exit__(self, *exc: Any) -> None:
+        self.graph.capture_end()
+        self.stream_ctx.__exit__(*exc)
+
+
+def _device_functions(module: types.ModuleType, log: CallLog) -> None:
+    def record(name: str, result: Any = None):
+        def fn(*args: Any, **kwargs: Any) -> Any:
+            log.append((name, args, kwargs))
+            return result() if callable(result) else result
+        return fn
+
+    module.Stream = _DoubleStream
+    module.current_stream = lambda: emulate._current_stream()
+    module.stream = lambda s: emulate._stream(s)
+    module.synchronize = record("synchronize")
+    module.empty_cache = record("empty_cache")
+    module.graph_pool_handle = record("graph_pool_handle", lambda: (0, next(emulate._pool_ids)))
+    module.is_current_stream_capturing = lambda: emulate.EmulateBackend().is_current_stream_capturing()
+    module.is_available = lambda: True
+    module.device_count = lambda: 1
+    module.get_rng_state_all = lambda: [torch.get_rng_state()]
+    module.set_rng_state_all = lambda states: torch.set_rng_state(states[0])
+
+
+def make_torch_npu(log: CallLog) -> types.ModuleType:
+    """A ``torch_npu`` module whose ``npu`` submodule has the graph API of torch_npu 2.13/2.14."""
+    torch_npu = types.ModuleType("torch_npu")
+    torch_npu.__spec__ = importlib.machinery.ModuleSpec("torch_npu", None)
+    torch_npu.__version__ = "2.13.0"
+    torch_npu._C = types.SimpleNamespace(_NPUStreamBase=object)
+    npu = types.ModuleType("torch_npu.npu")
+    npu.__spec__ = importlib.machinery.ModuleSpec("torch_npu.npu", None)
+    _device_functions(npu, log)
+    npu.host_empty_cache = lambda: log.append(("host_empty_cache", (), {}))
+    npu.NPUGraph = _make_graph_class(log, "NPUGraph")
+
+    class graph(_GraphContextBase):
+        def __init__(self, npu_graph: Any, pool: Any = None, stream: Any = None, auto_dispatch_capture: bool = False,
+                     capture_error_mode: str = "global") -> None:
+            log.append(("graph", (npu_graph,), {"pool": pool, "stream": stream,
+                                                 "auto_dispatch_capture": auto_dispatch_capture,
+                                                 "capture_error_mode": capture_error_mode}))
+            npu_graph.auto_dispatch_capture = auto_dispatch_capture
+            self._enter(npu_graph, pool, stream, capture_error_mode)
+
+    npu.graph = graph
+    torch_npu.npu = npu
+    return torch_npu
+
+
+def install_torch_npu(monkeypatch: Any, log: CallLog) -> types.ModuleType:
+    """Make ``import torch_npu`` and ``torch.npu`` resolve to the double for one test."""
+    torch_npu = make_torch_npu(log)
+    monkeypatch.setitem(sys.modules, "torch_npu", torch_npu)
+    monkeypatch.setitem(sys.modules, "torch_npu.npu", torch_npu.npu)
+    monkeypatch.setattr(torch, "npu", torch_npu.npu, raising=False)
+    monkeypatch.setattr(torch._C, "_get_privateuse1_backend_name", lambda: "npu")
+    return torch_npu
+
+
+def install_cuda(monkeypatch: Any, log: CallLog) -> None:
+    """Make ``torch.cuda``'s graph API the double for one test (torch 2.13 signatures)."""
+    fake = types.ModuleType("fake_cuda")
+    _device_functions(fake, log)
+    for name in ("Stream", "current_stream", "stream", "synchronize", "empty_cache", "graph_pool_handle",
+                 "is_current_stream_capturing", "is_available", "device_count", "get_rng_state_all",
+                 "set_rng_state_all"):
+        monkeypatch.setattr(torch.cuda, name, getattr(fake, name))
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", _make_graph_class(log, "CUDAGraph"))
+
+    class graph(_GraphContextBase):
+        def __init__(self, cuda_graph: Any, pool: Any = None, stream: Any = None,
+                     capture_error_mode: str = "global") -> None:
+            log.append(("graph", (cuda_graph,), {"pool": pool, "stream": stream,
+                                                  "capture_error_mode": capture_error_mode}))
+            self._enter(cuda_graph, pool, stream, capture_error_mode)
+
+    monkeypatch.setattr(torch.cuda, "graph", graph)
+    monkeypatch.setattr(torch.version, "cuda", "13.0")

@@ -1,0 +1,363 @@
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn as nn
+
+import npugraph_train.graphed as ng
+from npugraph_train.graphed import backends
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _mlp_and_sgd():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
+    return model, torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+
+
+def _train_step(model, opt, x, y):
+    opt.zero_grad(set_to_none=False)
+    loss = nn.functional.mse_loss(model(x), y)
+    loss.backward()
+    opt.step()
+    return loss
+
+
+def test_mlp_step_replayed_20_times_is_bitwise_eager():
+    torch.manual_seed(1)
+    data = [(torch.randn(4, 8), torch.randn(4, 1)) for _ in range(21)]
+    model, opt = _mlp_and_sgd()
+    for x, y in data:
+        _train_step(model, opt, x, y)
+    expected = [p.detach().clone() for p in model.parameters()]
+
+    model, opt = _mlp_and_sgd()
+    static_x, static_y = data[0][0].clone(), data[0][1].clone()
+    _train_step(model, opt, static_x, static_y)  # warmup: creates .grad and momentum buffers
+    g = ng.Graph()
+    with ng.graph(g):
+        static_loss = _train_step(model, opt, static_x, static_y)
+    for x, y in data[1:]:
+        static_x.copy_(x)
+        static_y.copy_(y)
+        g.replay()
+    for p, e in zip(model.parameters(), expected):
+        assert torch.equal(p, e)
+    assert torch.isfinite(static_loss)
+
+
+def test_capture_runs_nothing_replay_runs_it():
+    p = torch.zeros(3)
+    g = ng.Graph()
+    with ng.graph(g):
+        p.add_(1)
+        out = p * 2
+    assert torch.equal(p, torch.zeros(3)), "capture must not change tensors that existed before it"
+    assert torch.isnan(out).all(), "outputs are undefined until the first replay"
+    g.replay()
+    assert torch.equal(p, torch.ones(3)) and torch.equal(out, torch.full((3,), 2.0))
+    g.replay()
+    assert torch.equal(p, torch.full((3,), 2.0))
+
+
+def test_python_code_and_rebinding_do_not_replay():
+    calls = []
+    x = torch.ones(2)
+    g = ng.Graph()
+    with ng.graph(g):
+        calls.append(1)
+        y = x * 3
+    g.replay()
+    assert calls == [1]
+    x = torch.full((2,), 5.0)  # rebinding: the graph still reads the captured tensor
+    g.replay()
+    assert torch.equal(y, torch.full((2,), 3.0))
+
+
+def test_copy_into_captured_input_changes_replay():
+    x = torch.ones(2)
+    g = ng.Graph()
+    with ng.graph(g):
+        y = x * 3
+    x.copy_(torch.full((2,), 5.0))
+    g.replay()
+    assert torch.equal(y, torch.full((2,), 15.0))
+
+
+@pytest.mark.parametrize("host_read, op_name", [
+    (lambda t: t.sum().item(), "_local_scalar_dense"),
+    (lambda t: t.tolist(), "tolist"),
+    (lambda t: bool(t.sum() > 0), "_local_scalar_dense"),
+    (lambda t: torch.nonzero(t), "nonzero"),
+    (lambda t: torch.equal(t, t), "equal"),
+    (lambda t: t.numpy(), "numpy"),
+    (lambda t: torch.tensor([1.0, 2.0]), "lift_fresh"),
+])
+def test_host_reads_raise_capture_error_with_op_and_line(host_read, op_name):
+    x = torch.ones(3)
+    g = ng.Graph()
+    with pytest.raises(ng.GraphCaptureError) as info:
+        with ng.graph(g):
+            host_read(x)
+    message = str(info.value)
+    assert op_name in message
+    assert "test_graph_layer.py:" in message and "(lambda t: " in message  # the innermost user line
+    with pytest.raises(ng.GraphStateError, match="capture failed"):
+        g.replay()
+    g.reset()
+    with ng.graph(g):
+        y = x + 1
+    g.replay()
+    assert torch.equal(y, torch.full((3,), 2.0))
+
+
+def test_random_ops_draw_fresh_numbers_and_capture_draws_none():
+    torch.manual_seed(0)
+    state = torch.get_rng_state()
+    g = ng.Graph()
+    with ng.graph(g):
+        r = torch.rand(16)
+        mask = torch.nn.functional.dropout(torch.ones(16), 0.5)
+    assert torch.equal(torch.get_rng_state(), state)
+    g.replay()
+    first, first_mask = r.clone(), mask.clone()
+    g.replay()
+    assert not torch.equal(first, r)
+    assert not torch.equal(first_mask, mask)
+    torch.set_rng_state(state)
+    assert torch.equal(torch.rand(16), first), "the first replay draws what eager code would have drawn"
+
+
+def test_backward_inside_capture_is_recorded():
+    w = torch.ones(3, requires_grad=True)
+    x = torch.full((3,), 2.0)
+    w.grad = torch.zeros(3)
+    g = ng.Graph()
+    with ng.graph(g):
+        (w * x).sum().backward()
+    g.replay()
+    g.replay()
+    assert torch.equal(w.grad, torch.full((3,), 4.0))
+
+
+def test_pool_is_shared_and_handles_work():
+    a = torch.ones(4)
+    g1, g2 = ng.Graph(), ng.Graph()
+    with ng.graph(g1, pool=ng.graph_pool_handle()):
+        b = a + 1
+    with ng.graph(g2, pool=g1.pool()):
+        c = b * 2
+    assert g2.pool() == g1.pool()
+    assert g1.pool_bytes() == b.untyped_storage().nbytes()
+    g1.replay()
+    g2.replay()
+    assert torch.equal(c, torch.full((4,), 4.0))
+
+
+def test_is_current_stream_capturing():
+    assert not ng.is_current_stream_capturing()
+    seen = []
+    with ng.graph(ng.Graph()):
+        seen.append(ng.is_current_stream_capturing())
+    assert seen == [True] and not ng.is_current_stream_capturing()
+
+
+def test_capture_begin_end_on_user_stream():
+    a = torch.ones(10)
+    g = ng.Graph()
+    s = ng.new_stream()
+    with ng.stream(s):
+        g.capture_begin(capture_error_mode="thread_local")
+        b = a + 1
+        g.capture_end()
+    g.replay()
+    assert b.sum().item() == 20.0
+
+
+class TestMisuse:
+    def test_replay_before_capture(self):
+        with pytest.raises(ng.GraphStateError, match="before any capture"):
+            ng.Graph().replay()
+
+    def test_pool_before_capture(self):
+        with pytest.raises(ng.GraphStateError, match="pool.. without a preceding successful capture"):
+            ng.Graph().pool()
+
+    def test_capture_twice_without_reset(self):
+        g = ng.Graph()
+        with ng.graph(g):
+            torch.ones(1) + 1
+        with pytest.raises(ng.GraphStateError, match="call reset"):
+            with ng.graph(g):
+                pass
+        g.reset()
+        with ng.graph(g):
+            torch.ones(1) + 1
+        g.replay()
+
+    def test_nested_capture(self):
+        with pytest.raises(ng.GraphStateError, match="nested graph capture"):
+            with ng.graph(ng.Graph()):
+                with ng.graph(ng.Graph()):
+                    pass
+        with ng.graph(ng.Graph()):  # the failed nesting left no capture behind
+            pass
+
+    def test_replay_during_another_capture(self):
+        g = ng.Graph()
+        with ng.graph(g):
+            torch.ones(1) + 1
+        with pytest.raises(ng.GraphStateError, match="nested replay"):
+            with ng.graph(ng.Graph()):
+                g.replay()
+
+    def test_capture_on_default_stream(self):
+        with pytest.raises(ng.GraphCaptureError, match="non-default stream"):
+            ng.Graph().capture_begin()
+
+    def test_capture_end_without_begin(self):
+        with pytest.raises(ng.GraphStateError, match="without a preceding capture_begin"):
+            ng.Graph().capture_end()
+
+    def test_bad_capture_error_mode(self):
+        with pytest.raises(ValueError, match="global, thread_local, relaxed"):
+            ng.graph(ng.Graph(), capture_error_mode="strict")
+
+
+class TestBackendSelection:
+    def test_env_var_chooses(self, monkeypatch):
+        monkeypatch.setenv("NPUGRAPH_BACKEND", "emulate")
+        assert ng.current_backend() == "emulate"
+
+    def test_unknown_name_lists_choices(self, monkeypatch):
+        monkeypatch.setenv("NPUGRAPH_BACKEND", "tpu")
+        with pytest.raises(ng.BackendUnavailableError, match=r"'tpu'.*NPUGRAPH_BACKEND.*auto, npu, cuda, emulate"):
+            ng.current_backend()
+        with pytest.raises(ng.BackendUnavailableError, match="set_backend"):
+            ng.set_backend("gpu")
+
+    def test_argument_beats_set_backend_beats_env(self, monkeypatch, cuda_double):
+        monkeypatch.setenv("NPUGRAPH_BACKEND", "cuda")
+        assert ng.current_backend() == "cuda"
+        ng.set_backend("emulate")
+        assert ng.current_backend() == "emulate"
+        assert ng.Graph(backend="cuda").backend.name == "cuda"
+        ng.set_backend(None)
+        assert ng.current_backend() == "cuda"
+
+    def test_unavailable_npu_is_one_actionable_line(self, monkeypatch):
+        monkeypatch.setenv("NPUGRAPH_BACKEND", "npu")
+        with pytest.raises(ng.BackendUnavailableError) as info:
+            ng.Graph()
+        message = str(info.value)
+        assert "torch_npu is not installed" in message and "Usable here: emulate" in message
+        assert "\n" not in message
+
+    def test_auto_without_devices_is_emulate(self, monkeypatch):
+        monkeypatch.setenv("NPUGRAPH_BACKEND", "auto")
+        assert ng.current_backend() == "emulate"
+
+    def test_broken_torch_npu_explains_and_falls_back_only_for_auto(self, monkeypatch):
+        import importlib
+        import importlib.machinery
+        import importlib.util
+        real_find_spec, real_import = importlib.util.find_spec, importlib.import_module
+
+        def find_spec(name, *args):
+            return importlib.machinery.ModuleSpec(name, None) if name == "torch_npu" else real_find_spec(name, *args)
+
+        def import_module(name, *args):
+            if name == "torch_npu":
+                raise ImportError("libhccl.so: cannot open shared object file")
+            return real_import(name, *args)
+
+        monkeypatch.setattr(importlib.util, "find_spec", find_spec)
+        monkeypatch.setattr(importlib, "import_module", import_module)
+        monkeypatch.setenv("NPUGRAPH_BACKEND", "auto")
+        with pytest.warns(RuntimeWarning, match="libhccl.so"):
+            assert ng.current_backend() == "emulate"
+        monkeypatch.setenv("NPUGRAPH_BACKEND", "npu")
+        with pytest.raises(ng.BackendUnavailableError, match="failed to import.*libhccl.so"):
+            ng.current_backend()
+
+    def test_import_does_not_import_torch_npu(self):
+        code = "import sys, npugraph_train, npugraph_train.graphed as g; g.current_backend(); " \
+               "assert 'torch_npu' not in sys.modules; print(g.current_backend())"
+        env = dict(os.environ, NPUGRAPH_BACKEND="auto")
+        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+        assert out.stdout.strip() == "emulate"
+
+
+class TestNPUBackendDouble:
+    def test_graph_context_passes_keywords(self, npu_double):
+        g = ng.Graph()
+        assert g.backend.name == "npu"
+        pool = ng.graph_pool_handle()
+        s = ng.new_stream()
+        x = torch.ones(3)
+        with ng.graph(g, pool=pool, stream=s, capture_error_mode="thread_local"):
+            y = x * 2
+        g.replay()
+        assert torch.equal(y, torch.full((3,), 2.0))
+        name, args, kwargs = next(c for c in npu_double if c[0] == "graph")
+        assert args == (g.native,) and kwargs == {
+            "pool": pool, "stream": s, "auto_dispatch_capture": False, "capture_error_mode": "thread_local"}
+        begin = next(c for c in npu_double if c[0] == "capture_begin")
+        assert begin[2] == {"pool": pool, "capture_error_mode": "thread_local"}
+        assert g.native.capturing_stream is s
+        assert [c[0] for c in npu_double if c[0] in ("capture_end", "replay")] == ["capture_end", "replay"]
+
+    def test_default_capture_stream_is_not_the_current_stream(self, npu_double):
+        g = ng.Graph()
+        with ng.graph(g):
+            torch.ones(1) + 1
+        assert g.native.capturing_stream is not None
+        assert g.native.capturing_stream is not torch.npu.current_stream()
+
+    def test_capture_begin_direct(self, npu_double):
+        g = ng.Graph()
+        with ng.stream(ng.new_stream()):
+            g.capture_begin(capture_error_mode="relaxed")
+            torch.ones(1) + 1
+            g.capture_end()
+        assert ("capture_begin", (), {"pool": None, "capture_error_mode": "relaxed"}) in npu_double
+
+
+class TestCUDABackendDouble:
+    def test_graph_context_passes_keywords(self, cuda_double):
+        g = ng.Graph()
+        assert g.backend.name == "cuda"
+        s = ng.new_stream()
+        x = torch.ones(3)
+        with ng.graph(g, stream=s, capture_error_mode="relaxed"):
+            y = x + 4
+        g.replay()
+        assert torch.equal(y, torch.full((3,), 5.0))
+        name, args, kwargs = next(c for c in cuda_double if c[0] == "graph")
+        assert args == (g.native,) and kwargs == {"pool": None, "stream": s, "capture_error_mode": "relaxed"}
+
+    def test_auto_dispatch_capture_is_npu_only(self, cuda_double):
+        with pytest.raises(NotImplementedError, match="re-capture one graph per host value"):
+            ng.graph(ng.Graph(), auto_dispatch_capture=True)
+
+    def test_auto_prefers_cuda_over_emulate(self, cuda_double, monkeypatch):
+        monkeypatch.setenv("NPUGRAPH_BACKEND", "auto")
+        assert ng.current_backend() == "cuda"
+
+
+def test_graph_basics_example_prints_expected_sums():
+    out = subprocess.run([sys.executable, str(ROOT / "examples" / "graph_basics.py")], capture_output=True,
+                         text=True, check=True)
+    assert out.stdout.count("b.sum().item() == 11000.0") == 2
+
+
+def test_graph_basics_example_on_missing_npu_is_one_line():
+    env = dict(os.environ, NPUGRAPH_BACKEND="npu")
+    out = subprocess.run([sys.executable, str(ROOT / "examples" / "graph_basics.py")], capture_output=True,
+                         text=True, env=env)
+    assert out.returncode != 0
+    assert out.stderr.strip().count("\n") == 0 and "torch_npu is not installed" in out.stderr
