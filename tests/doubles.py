@@ -95,6 +95,10 @@ def _device_functions(module: types.ModuleType, log: CallLog) -> None:
     module.device_count = lambda: 1
     module.get_rng_state_all = lambda: [torch.get_rng_state()]
     module.set_rng_state_all = lambda states: torch.set_rng_state(states[0])
+    module.manual_seed_all = lambda seed: None
+    module._is_in_bad_fork = lambda: False
+    module.is_autocast_enabled = lambda: False
+    module.get_autocast_dtype = lambda: torch.float16
 
 
 def make_torch_npu(log: CallLog) -> types.ModuleType:

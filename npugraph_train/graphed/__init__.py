@@ -1,11 +1,14 @@
 """The graph layer: device-neutral graphs (NPU, CUDA, CPU emulator), graphed callables and the marker."""
 from .backends import available_backends, current_backend, get_backend, set_backend
+from .callables import GraphedCallable, graphed_state, make_graphed_callables, ungraph
 from .errors import BackendUnavailableError, GraphCaptureError, GraphStateError
 from .graphs import (Graph, graph, graph_pool_handle, is_current_stream_capturing, new_stream, stream,
                      synchronize)
+from .marker import GraphSafeOptions, graph_safe, graph_safe_modules, graph_safe_options, is_graph_safe
 
 __all__ = [
-    "BackendUnavailableError", "Graph", "GraphCaptureError", "GraphStateError", "available_backends",
-    "current_backend", "get_backend", "graph", "graph_pool_handle", "is_current_stream_capturing",
-    "new_stream", "set_backend", "stream", "synchronize",
+    "BackendUnavailableError", "Graph", "GraphCaptureError", "GraphSafeOptions", "GraphStateError",
+    "GraphedCallable", "available_backends", "current_backend", "get_backend", "graph", "graph_pool_handle",
+    "graph_safe", "graph_safe_modules", "graph_safe_options", "graphed_state", "is_current_stream_capturing",
+    "is_graph_safe", "make_graphed_callables", "new_stream", "set_backend", "stream", "synchronize", "ungraph",
 ]

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Any, ContextManager, Optional
+from typing import Any, ContextManager, Optional, Tuple
 
 import torch
 
@@ -58,8 +58,9 @@ class Backend(ABC):
         """Bytes the graph's capture allocated, where the backend can tell; None otherwise."""
         return None
 
-    def autocast_enabled(self) -> bool:
-        return torch.is_autocast_enabled(self.device_type)
+    def autocast_state(self) -> Tuple[bool, torch.dtype]:
+        """Whether autocast is on for this device, and its dtype (graphs bake both in)."""
+        return torch.is_autocast_enabled(self.device_type), torch.get_autocast_dtype(self.device_type)
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.name!r}>"

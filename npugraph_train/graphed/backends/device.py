@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
-from typing import Any, ContextManager, Optional
+from typing import Any, ContextManager, Optional, Tuple
 
 import torch
 
@@ -99,6 +99,10 @@ class NPUBackend(_DeviceModuleBackend):
         if not torch.npu.is_available():
             return "torch.npu.is_available() is False (no NPU visible to this process)"
         return None
+
+    def autocast_state(self) -> Tuple[bool, torch.dtype]:
+        # torch_npu's own make_graphed_callables asks the device module (privateuse1 autocast protocol).
+        return bool(torch.npu.is_autocast_enabled()), torch.npu.get_autocast_dtype()
 
     def graph_context(self, native_graph: Any, *, pool: Any, stream: Any, capture_error_mode: str,
                       auto_dispatch_capture: bool) -> ContextManager:

@@ -51,6 +51,8 @@ _pool_ids = itertools.count(1)
 # Ops that read device data on the host, beyond those tagged data-dependent by ATen.
 _HOST_SYNC_OPS = {torch.ops.aten.is_nonzero.default}
 _HOST_DATA_OPS = {torch.ops.aten.lift_fresh.default, torch.ops.aten.lift_fresh_copy.default}
+# Ops that write arguments their schema does not mark as written (argument positions).
+_UNANNOTATED_WRITES = {torch.ops.aten.native_batch_norm.default: (3, 4)}
 _HOST_READ_METHODS = {torch.Tensor.tolist, torch.Tensor.numpy, torch.Tensor.__array__}
 
 _SKIP_DIRS = tuple(os.path.dirname(p) + os.sep for p in (torch.__file__, __file__.rsplit(os.sep, 3)[0] + os.sep))
@@ -147,7 +149,8 @@ class _Recorder(TorchDispatchMode):
         return out
 
 
-_VIEW, _MUTATE, _FUNCTIONAL = range(3)
+def _returns(schema: Any, out: Any) -> tuple:
+    return tuple(out) if len(schema.returns) > 1 else (out,)
 
 
 class EmulatedGraph:
@@ -158,7 +161,8 @@ class EmulatedGraph:
     """
 
     def __init__(self) -> None:
-        self._ops: List[Tuple[int, Any, tuple, dict, List[torch.Tensor]]] = []
+        # (op, args, kwargs, indices of fresh returns, the tensors captured as those returns)
+        self._ops: List[Tuple[Any, tuple, dict, List[int], List[torch.Tensor]]] = []
         self._pool: Optional[Tuple[int, int]] = None
         self.captured_bytes = 0
         self.auto_dispatch_capture = False
@@ -188,10 +192,12 @@ class EmulatedGraph:
         with torch.no_grad(), _disable_current_modes():
             for storage, saved in self._saved.values():
                 storage.copy_(saved)
-            for _, _, _, _, outs in self._ops:
+            # Storage-level writes: autograd's version counters must not see them (a backward
+            # captured next may still check the saved activations).
+            for *_, outs in self._ops:
                 for t in outs:
                     if t.is_floating_point() or t.is_complex():
-                        t.fill_(float("nan"))
+                        t.untyped_storage().fill_(0xFF)  # all-ones bytes are NaN in every float format
         torch.set_rng_state(self._rng_state)
         self._saved = {}
         self._born = set()
@@ -200,8 +206,9 @@ class EmulatedGraph:
         # Snapshot tensors from before the capture that this op writes, so capture_end can undo it.
         schema_args = func._schema.arguments
         values = list(args) + [kwargs.get(a.name) for a in schema_args[len(args):]]
-        for arg, value in zip(schema_args, values):
-            if arg.alias_info is None or not arg.alias_info.is_write:
+        hidden = _UNANNOTATED_WRITES.get(func, ())
+        for index, (arg, value) in enumerate(zip(schema_args, values)):
+            if index not in hidden and (arg.alias_info is None or not arg.alias_info.is_write):
                 continue
             for t in _tensors(value):
                 key = _storage_key(t)
@@ -212,35 +219,31 @@ class EmulatedGraph:
 
     def _record(self, func: Any, args: tuple, kwargs: dict, out: Any) -> None:
         schema = func._schema
-        writes = any(a.alias_info is not None and a.alias_info.is_write for a in schema.arguments)
-        aliases = any(r.alias_info is not None for r in schema.returns)
-        outs = _tensors(out)
-        if writes:
-            kind = _MUTATE
-        elif aliases:
-            kind = _VIEW
-        else:
-            # Some ops return views without saying so in their schema (e.g. _unsafe_view).
-            inputs = {_storage_key(t) for t in _tensors((args, kwargs))}
-            if outs and all(_storage_key(t) in inputs for t in outs):
-                kind = _VIEW
-            else:
-                kind = _FUNCTIONAL
-                for t in outs:
-                    key = _storage_key(t)
-                    if key not in inputs and key not in self._born:
-                        self._born.add(key)
-                        self.captured_bytes += t.untyped_storage().nbytes()
-        if kind != _VIEW:
-            self._ops.append((kind, func, args, kwargs, outs if kind == _FUNCTIONAL else []))
+        writes = func in _UNANNOTATED_WRITES or any(
+            a.alias_info is not None and a.alias_info.is_write for a in schema.arguments)
+        # Returns without alias annotation are fresh tensors, except where an op returns a view without
+        # saying so in its schema (e.g. _unsafe_view): those share an input's storage.
+        inputs = {_storage_key(t) for t in _tensors((args, kwargs))}
+        fresh = [i for i, r in enumerate(schema.returns) if r.alias_info is None]
+        fresh_outs = [t for i in fresh for t in _tensors(_returns(schema, out)[i])
+                      if _storage_key(t) not in inputs]
+        if not writes and not fresh_outs:
+            return  # a view: it aliases captured memory already
+        for t in fresh_outs:
+            key = _storage_key(t)
+            if key not in self._born:
+                self._born.add(key)
+                self.captured_bytes += t.untyped_storage().nbytes()
+        self._ops.append((func, args, kwargs, fresh, fresh_outs))
 
     # use -----------------------------------------------------------------------------------------
     def replay(self) -> None:
         with torch.no_grad(), torch.autocast("cpu", enabled=False), _disable_current_modes():
-            for kind, func, args, kwargs, outs in self._ops:
+            for func, args, kwargs, fresh, outs in self._ops:
                 result = func(*args, **kwargs)
-                if kind == _FUNCTIONAL:
-                    for dst, src in zip(outs, _tensors(result)):
+                if outs:
+                    returns = _returns(func._schema, result)
+                    for dst, src in zip(outs, (t for i in fresh for t in _tensors(returns[i]))):
                         dst.copy_(src)
 
     def reset(self) -> None:

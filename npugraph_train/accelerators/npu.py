@@ -1,0 +1,278 @@
+"""Lightning ``accelerator="npu"`` for Ascend NPUs through torch_npu.
+
+Lightning 2.6 ships no NPU accelerator. This module adds one, plus a single-device strategy, and makes
+Lightning's automatic choices land on the NPU::
+
+    import npugraph_train.accelerators          # registers "npu" when torch_npu is installed
+    from lightning.pytorch import Trainer
+
+    trainer = Trainer(accelerator="npu", devices=1, precision="bf16-mixed")
+    # trainer.strategy.root_device == torch.device("npu", 0); autocast runs on "npu"
+
+``register_npu()`` does the same explicitly and returns whether it registered. Explicit choices work too:
+``Trainer(accelerator="npu", strategy="npu_single")`` (always ``npu:0``),
+``Trainer(accelerator=NPUAccelerator(), strategy=SingleNPUStrategy(device="npu:1"))``.
+
+Without torch_npu nothing is registered and ``Trainer(accelerator="npu")`` fails in Lightning's own check
+of the accelerator name. Multi-device NPU training is not configured here: pass
+``strategy=DDPStrategy(process_group_backend="hccl")`` yourself.
+"""
+from __future__ import annotations
+
+import functools
+import importlib
+import importlib.util
+from types import ModuleType
+from typing import Any, Callable, Dict, List, Optional, Sequence, Union
+
+import torch
+from lightning.fabric.accelerators.registry import _AcceleratorRegistry
+from lightning.fabric.strategies.registry import _StrategyRegistry
+from lightning.fabric.utilities.types import _DEVICE
+from lightning.pytorch.accelerators import Accelerator
+from lightning.pytorch.strategies import SingleDeviceStrategy
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+
+__all__ = ["NPUAccelerator", "SingleNPUStrategy", "register_npu"]
+
+_INSTALL_HINT = "install torch_npu matching your torch version on an Ascend machine with CANN"
+
+
+def _torch_npu_installed() -> bool:
+    """Whether ``import torch_npu`` could be attempted, without importing it (it is heavy and may fail)."""
+    try:
+        return importlib.util.find_spec("torch_npu") is not None
+    except (ImportError, ValueError):  # ValueError: a module in sys.modules with no __spec__
+        return False
+
+
+def _npu_module() -> Optional[ModuleType]:
+    """``torch.npu`` after importing torch_npu, or None when torch_npu is absent or broken.
+
+    torch_npu creates ``torch.npu`` and renames torch's privateuse1 device to ``"npu"`` on import, so
+    everything that builds ``torch.device("npu", i)`` goes through here first.
+    """
+    if not _torch_npu_installed():
+        return None
+    try:
+        importlib.import_module("torch_npu")
+    except Exception:  # a missing CANN library surfaces as any kind of error; callers only need "no"
+        return None
+    return getattr(torch, "npu", None)
+
+
+def _require_npu_module() -> ModuleType:
+    npu = _npu_module()
+    if npu is None:
+        raise MisconfigurationException(f"The NPU accelerator needs torch_npu, which could not be imported: "
+                                        f"{_INSTALL_HINT}.")
+    return npu
+
+
+class NPUAccelerator(Accelerator):
+    """Accelerator for Huawei Ascend NPUs (``torch.npu`` from torch_npu).
+
+    Usage::
+
+        Trainer(accelerator="npu", devices=1)        # after npugraph_train.accelerators.register_npu()
+        Trainer(accelerator=NPUAccelerator(), devices=[0, 1], strategy=DDPStrategy(process_group_backend="hccl"))
+    """
+
+    def setup_device(self, device: torch.device) -> None:
+        if device.type != "npu":
+            raise MisconfigurationException(f"NPUAccelerator needs an 'npu' device, got {device}. Use "
+                                            f"SingleNPUStrategy(device='npu:0') or Trainer(accelerator='npu').")
+        _require_npu_module().set_device(device)
+
+    def teardown(self) -> None:
+        npu = _npu_module()
+        if npu is not None and hasattr(npu, "empty_cache"):
+            npu.empty_cache()  # as CUDAAccelerator does: hand cached blocks back for whatever runs next
+
+    @staticmethod
+    def parse_devices(devices: Union[int, str, Sequence[int]]) -> List[int]:
+        """Device indices from ``Trainer(devices=...)``: ``N`` (first N), ``-1`` (all), ``"0,2"`` or ``[0, 2]``."""
+        count = NPUAccelerator.auto_device_count()
+        if isinstance(devices, str):
+            text = devices.strip()
+            try:
+                devices = [int(x) for x in text.split(",") if x.strip()] if "," in text else int(text)
+            except ValueError:
+                raise MisconfigurationException(
+                    f"Trainer(devices={devices!r}) is not understood for NPUs: pass a count, -1 for all, "
+                    f"or indices such as '0,1' or [0, 1].") from None
+        if isinstance(devices, bool):  # bool is an int; True would silently mean one device
+            raise MisconfigurationException(f"Trainer(devices={devices!r}): pass a device count or indices.")
+        if isinstance(devices, int):
+            if devices == -1:
+                ids = list(range(count))
+            elif devices > 0:
+                ids = list(range(devices))
+            else:
+                raise MisconfigurationException(
+                    f"Trainer(devices={devices}) asks for no NPU: pass a positive count, -1, or indices.")
+        else:
+            ids = list(devices)
+            if not all(isinstance(i, int) and not isinstance(i, bool) for i in ids) or len(set(ids)) != len(ids):
+                raise MisconfigurationException(
+                    f"Trainer(devices={devices!r}) must list distinct integer NPU indices, e.g. [0, 1].")
+        missing = [i for i in ids if not 0 <= i < count]
+        if not ids or missing:
+            raise MisconfigurationException(
+                f"Trainer(devices={devices!r}) asks for NPU(s) {missing or ids} but this machine has {count} "
+                f"(indices 0..{count - 1}); check ASCEND_RT_VISIBLE_DEVICES or ask for fewer.")
+        return ids
+
+    @staticmethod
+    def get_parallel_devices(devices: Sequence[int]) -> List[torch.device]:
+        _require_npu_module()  # torch.device("npu") only parses once torch_npu has renamed privateuse1
+        return [torch.device("npu", i) for i in devices]
+
+    @staticmethod
+    def auto_device_count() -> int:
+        npu = _npu_module()
+        return int(npu.device_count()) if npu is not None else 0
+
+    @staticmethod
+    def is_available() -> bool:
+        """True when torch_npu imports and sees an NPU; never raises (Lightning calls this to list choices)."""
+        npu = _npu_module()
+        if npu is None:
+            return False
+        try:
+            return bool(npu.is_available())
+        except Exception:  # a broken driver must read as "not available", not crash Trainer construction
+            return False
+
+    def get_device_stats(self, device: _DEVICE) -> Dict[str, Any]:
+        npu = _npu_module()
+        memory_stats = getattr(npu, "memory_stats", None)
+        return dict(memory_stats(device)) if callable(memory_stats) else {}
+
+    @staticmethod
+    def name() -> str:
+        return "npu"
+
+    @classmethod
+    def register_accelerators(cls, accelerator_registry: _AcceleratorRegistry) -> None:
+        accelerator_registry.register(cls.name(), cls, description=cls.__name__)
+
+
+class SingleNPUStrategy(SingleDeviceStrategy):
+    """Train on one NPU. ``Trainer(accelerator="npu", devices=1)`` picks it once ``register_npu()`` ran.
+
+    Usage::
+
+        Trainer(accelerator="npu", strategy="npu_single")                        # npu:0
+        Trainer(accelerator="npu", strategy=SingleNPUStrategy(device="npu:1"))
+    """
+
+    strategy_name = "npu_single"
+
+    def __init__(self, device: _DEVICE = "npu:0", **kwargs: Any) -> None:
+        if not isinstance(device, torch.device):
+            _require_npu_module()  # parsing "npu:0" needs torch_npu's device rename
+            device = torch.device(device)
+        if device.type != "npu":
+            raise MisconfigurationException(f"SingleNPUStrategy needs an 'npu' device, got {device}; "
+                                            f"use SingleDeviceStrategy for other devices.")
+        super().__init__(device=device, **kwargs)
+
+    @property
+    def accelerator(self) -> Optional[Accelerator]:
+        return self._accelerator
+
+    @accelerator.setter
+    def accelerator(self, accelerator: Optional[Accelerator]) -> None:
+        # Lightning assigns the Trainer's accelerator here; with strategy="npu_single" and the default
+        # accelerator="auto" it would be CPU or CUDA, and the model would go to a device nothing set up.
+        if accelerator is not None and not isinstance(accelerator, NPUAccelerator):
+            raise MisconfigurationException(
+                f"SingleNPUStrategy runs on NPUAccelerator, got {type(accelerator).__name__}; "
+                f"pass Trainer(accelerator='npu').")
+        self._accelerator = accelerator
+
+    @classmethod
+    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
+        strategy_registry.register(cls.strategy_name, cls, description=cls.__name__)
+
+
+def _patch_accelerator_connector() -> None:
+    """Make Lightning's automatic strategy and AMP choices NPU-aware (it only knows cuda/gpu/mps).
+
+    ``_AcceleratorConnector._choose_strategy`` gives any other accelerator ``SingleDeviceStrategy("cpu")``,
+    and ``_check_and_init_precision`` autocasts on "cuda" for every non-cpu/mps accelerator. Both are
+    private, so the wrappers only step in when the accelerator is an NPUAccelerator and otherwise defer to
+    Lightning unchanged. Written against Lightning 2.6; if the methods disappear we warn instead.
+    """
+    from lightning.pytorch.plugins import MixedPrecision
+    from lightning.pytorch.strategies import DeepSpeedStrategy, FSDPStrategy, SingleDeviceXLAStrategy, XLAStrategy
+    from lightning.pytorch.trainer.connectors import accelerator_connector
+
+    connector = accelerator_connector._AcceleratorConnector
+    choose, init_precision = (getattr(connector, n, None) for n in ("_choose_strategy", "_check_and_init_precision"))
+    if choose is None or init_precision is None:
+        rank_zero_warn("This Lightning version changed how it picks strategies, so Trainer(accelerator='npu') "
+                       "may not place the model on the NPU; pass strategy='npu_single' and "
+                       "plugins=MixedPrecision(..., device='npu') explicitly.")
+        return
+    if getattr(choose, "_npugraph_npu", False):
+        return  # already wrapped: registration is idempotent
+
+    # These strategies bring their own precision plugin; Lightning's choice stands for them.
+    own_precision = (DeepSpeedStrategy, FSDPStrategy, XLAStrategy, SingleDeviceXLAStrategy)
+
+    @functools.wraps(choose)
+    def _choose_strategy(self: Any) -> Any:
+        if isinstance(getattr(self, "accelerator", None), NPUAccelerator):
+            if self._num_nodes_flag == 1 and len(self._parallel_devices) <= 1:
+                return SingleNPUStrategy(device=self._parallel_devices[0] if self._parallel_devices else "npu:0")
+            rank_zero_warn("Trainer(accelerator='npu') on several NPUs uses Lightning's default DDP, whose "
+                           "process group backend is not HCCL; pass strategy=DDPStrategy(process_group_backend="
+                           "'hccl').")
+        return choose(self)
+
+    @functools.wraps(init_precision)
+    def _check_and_init_precision(self: Any) -> Any:
+        if (isinstance(getattr(self, "accelerator", None), NPUAccelerator)
+                and self._precision_plugin_flag is None  # a plugin the user passed is theirs to configure
+                and self._precision_flag in ("16-mixed", "bf16-mixed")
+                and not isinstance(self.strategy, own_precision)):
+            self._validate_precision_choice()
+            rank_zero_info(f"Using {self._precision_flag} Automatic Mixed Precision (AMP) on the NPU")
+            return MixedPrecision(self._precision_flag, device="npu")
+        return init_precision(self)
+
+    for wrapper in (_choose_strategy, _check_and_init_precision):
+        wrapper._npugraph_npu = True  # type: ignore[attr-defined]
+    connector._choose_strategy = _choose_strategy
+    connector._check_and_init_precision = _check_and_init_precision
+
+
+def _register(registry: Dict[str, Any], name: str, cls: type, register: Callable[[Any], None]) -> None:
+    # dict.get, not the registry's own get(): that one instantiates the class and raises on a missing name.
+    entry = dict.get(registry, name)
+    if entry is None:
+        register(registry)
+    elif entry.get("accelerator", entry.get("strategy")) is not cls:
+        rank_zero_warn(f"{name!r} is already registered by {entry.get('description') or 'someone else'}; leaving "
+                       f"it. Pass {cls.__name__}() instead of the name to use npugraph_train's.")
+
+
+def register_npu() -> bool:
+    """Register ``accelerator="npu"`` and ``strategy="npu_single"`` with Lightning; True if registered.
+
+    Returns False and changes nothing when torch_npu is not installed. Safe to call any number of times.
+    It does not import torch_npu; that happens when Lightning first asks whether the NPU is available.
+    """
+    if not _torch_npu_installed():
+        return False
+    from lightning.pytorch.accelerators import AcceleratorRegistry
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    _register(AcceleratorRegistry, NPUAccelerator.name(), NPUAccelerator, NPUAccelerator.register_accelerators)
+    _register(StrategyRegistry, SingleNPUStrategy.strategy_name, SingleNPUStrategy,
+              SingleNPUStrategy.register_strategies)
+    _patch_accelerator_connector()
+    return True

@@ -1,0 +1,481 @@
+"""Graphed callables: forward and backward of modules or functions captured as graphs, on any backend.
+
+Compatible with ``torch_npu.npu.make_graphed_callables`` / ``torch.cuda.make_graphed_callables``::
+
+    model = nn.Sequential(...)
+    model = make_graphed_callables(model, (torch.randn(8, 16),))
+    loss = model(x).sum(); loss.backward()       # replays the forward and backward graphs
+
+and safer than both:
+
+- a call whose tensors differ from the captured ones (shape, dtype, device, requires_grad, keyword
+  names, autocast state) runs the eager forward instead of broadcasting into static buffers; with
+  ``max_signatures=N`` each new signature gets its own graphs (same pool) up to N;
+- keyword tensor arguments are captured (``sample_kwargs``);
+- gradients returned to ``.grad`` never alias static buffers, so gradient accumulation is correct;
+- warmup leaves RNG state and module buffers (BatchNorm statistics) as they were;
+- a second call before the first call's backward ran (same module twice in one step) runs eager
+  rather than overwriting the activations the first backward needs;
+- errors name the module; :func:`ungraph` restores the original forward; ``state_dict`` keys are
+  unchanged, ``copy.deepcopy`` and pickling give a plain, working module.
+"""
+from __future__ import annotations
+
+import itertools
+import time
+import types
+import weakref
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
+
+import torch
+import torch.nn as nn
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from .backends import Backend, get_backend
+from .errors import GraphCaptureError, GraphStateError
+from .graphs import Graph, graph
+
+_batch_ids = itertools.count()
+
+
+def _leaf_signature(t: Any) -> Any:
+    if not isinstance(t, torch.Tensor):
+        return ("non-tensor", type(t).__name__)
+    return (tuple(t.shape), t.dtype, t.device, t.requires_grad)
+
+
+def _signature(spec: Any, leaves: Sequence[Any], backend: Backend) -> tuple:
+    return (spec, tuple(_leaf_signature(t) for t in leaves), backend.autocast_state())
+
+
+def _describe(signature: tuple) -> str:
+    parts = []
+    for leaf in signature[1]:
+        if leaf[0] == "non-tensor":
+            parts.append(leaf[1])
+        else:
+            shape, dtype, _, requires_grad = leaf
+            parts.append(f"{str(dtype).replace('torch.', '')}{list(shape)}{'*' if requires_grad else ''}")
+    enabled, dtype = signature[2]
+    return f"({', '.join(parts)})" + (f" autocast {str(dtype).replace('torch.', '')}" if enabled else "")
+
+
+def _flatten_call(args: tuple, kwargs: Dict[str, Any]) -> Tuple[List[Any], Any]:
+    return tree_flatten((tuple(args), dict(sorted(kwargs.items()))))
+
+
+class _PoolOrder:
+    """Keeps replays in capture order within one memory pool.
+
+    Graphs of one pool may reuse each other's freed memory: a forward may replay only while every
+    graph of the pool still waiting for its backward was captured earlier in the same capture batch
+    (the order torch requires of graphed callables that share a pool). Any other replay would overwrite
+    activations that a pending backward still needs, so that call runs eager instead.
+    """
+
+    def __init__(self) -> None:
+        self.pending: Dict[int, Tuple[Tuple[int, int], Any]] = {}
+
+    @staticmethod
+    def of(pool: Any) -> "_PoolOrder":
+        order = _pool_orders.get(pool)
+        if order is None:
+            order = _pool_orders[pool] = _PoolOrder()
+        return order
+
+    def may_replay(self, order: Tuple[int, int]) -> bool:
+        for key, (other, ctx_ref) in list(self.pending.items()):
+            if ctx_ref() is None:  # its autograd graph was dropped without a backward
+                del self.pending[key]
+            elif other[0] != order[0] or other[1] >= order[1]:
+                return False
+        return True
+
+
+# One order keeper per pool handle, alive as long as some graph of that pool is.
+_pool_orders: "weakref.WeakValueDictionary[Any, _PoolOrder]" = weakref.WeakValueDictionary()
+
+
+@dataclass
+class SignatureStats:
+    description: str
+    replays: int = 0
+    capture_seconds: float = 0.0
+    pool_bytes: Optional[int] = None
+
+
+class _CapturedSignature:
+    """Forward and backward graphs of one callable for one input signature."""
+
+    def __init__(self, owner: "GraphedCallable", static_inputs: Tuple[torch.Tensor, ...], spec: Any,
+                 pool: Any, order: Tuple[int, int]) -> None:
+        self.owner = owner
+        self.pool = pool
+        self.pool_order = _PoolOrder.of(pool)
+        self.static_inputs = static_inputs
+        self.spec = spec
+        self.order = order
+        self.fwd_graph = Graph(owner.backend)
+        self.bwd_graph = Graph(owner.backend)
+        self.static_outputs: Tuple[torch.Tensor, ...] = ()
+        self.output_spec: Any = None
+        self.static_grad_outputs: Tuple[Optional[torch.Tensor], ...] = ()
+        self.static_grad_inputs: Tuple[Optional[torch.Tensor], ...] = ()
+        self.function: Any = None
+
+    @property
+    def surface(self) -> Tuple[torch.Tensor, ...]:
+        return self.static_inputs + self.owner.params
+
+    def warmup(self) -> None:
+        surface = self.surface
+        for _ in range(self.owner.num_warmup_iters):
+            args, kwargs = tree_unflatten(list(self.static_inputs), self.spec)
+            outputs = [o for o in tree_flatten(self.owner.call_original(*args, **kwargs))[0]
+                       if isinstance(o, torch.Tensor) and o.requires_grad]
+            inputs = tuple(i for i in surface if i.requires_grad)
+            if outputs and inputs:
+                torch.autograd.grad(outputs, inputs, grad_outputs=[torch.empty_like(o) for o in outputs],
+                                    only_inputs=True, allow_unused=self.owner.allow_unused_input)
+
+    def capture_forward(self) -> None:
+        args, kwargs = tree_unflatten(list(self.static_inputs), self.spec)
+        with graph(self.fwd_graph, pool=self.pool, capture_error_mode=self.owner.capture_error_mode):
+            outputs = self.owner.call_original(*args, **kwargs)
+        flat, self.output_spec = tree_flatten(outputs)
+        bad = [type(o).__name__ for o in flat if not isinstance(o, torch.Tensor)]
+        if bad:
+            raise GraphCaptureError(f"{self.owner.name}: graphed callables must return tensors (or nested "
+                                    f"tuples/lists/dicts of them), got {', '.join(bad)}")
+        self.static_outputs = tuple(flat)
+
+    def capture_backward(self) -> None:
+        self.static_grad_outputs = tuple(torch.empty_like(o) if o.requires_grad else None
+                                         for o in self.static_outputs)
+        outputs = tuple(o for o in self.static_outputs if o.requires_grad)
+        inputs = tuple(i for i in self.surface if i.requires_grad)
+        grads: Tuple[Optional[torch.Tensor], ...] = ()
+        if outputs and inputs:
+            with graph(self.bwd_graph, pool=self.pool, capture_error_mode=self.owner.capture_error_mode):
+                grads = torch.autograd.grad(outputs, inputs,
+                                            grad_outputs=tuple(g for g in self.static_grad_outputs if g is not None),
+                                            only_inputs=True, allow_unused=self.owner.allow_unused_input)
+        it = iter(grads)
+        self.static_grad_inputs = tuple(next(it) if (i.requires_grad and grads) else None for i in self.surface)
+        self.function = self._make_function()
+
+    def _make_function(self) -> Any:
+        sig = self
+        num_user = len(self.static_inputs)
+        pool_order = self.pool_order
+
+        class Graphed(torch.autograd.Function):
+            @staticmethod
+            def forward(ctx: Any, *inputs: torch.Tensor) -> Tuple[torch.Tensor, ...]:
+                for static, new in zip(sig.static_inputs, inputs[:num_user]):
+                    if static.data_ptr() != new.data_ptr():
+                        static.copy_(new)
+                sig.fwd_graph.replay()
+                pool_order.pending[id(sig)] = (sig.order, weakref.ref(ctx))
+                return tuple(o.detach() for o in sig.static_outputs)
+
+            @staticmethod
+            @torch.autograd.function.once_differentiable
+            def backward(ctx: Any, *grads: torch.Tensor) -> Tuple[Optional[torch.Tensor], ...]:
+                pool_order.pending.pop(id(sig), None)
+                for static, grad in zip(sig.static_grad_outputs, grads):
+                    if static is not None and grad is not None and static.data_ptr() != grad.data_ptr():
+                        static.copy_(grad)
+                if sig.bwd_graph.is_captured:
+                    sig.bwd_graph.replay()
+                # Returned as the static tensors themselves, not detached aliases: autograd then sees
+                # extra references and clones before storing into .grad or accumulating in place, so no
+                # gradient aliases a buffer that the next replay overwrites (torch issue #181723).
+                return sig.static_grad_inputs
+
+        return Graphed
+
+    def __call__(self, flat_args: List[torch.Tensor]) -> Any:
+        out = self.function.apply(*flat_args, *self.owner.params)
+        return tree_unflatten(list(out), self.output_spec)
+
+
+class GraphedCallable:
+    """The graphs of one module or function, with its signature cache and counters.
+
+    Reach it through ``graphed_state(module_or_fn)``; ``report()`` gives the counters.
+    """
+
+    def __init__(self, func: Callable, name: str, backend: Backend, num_warmup_iters: int, allow_unused_input: bool, max_signatures: int,
+                 capture_error_mode: str) -> None:
+        self.func = func
+        self.name = name
+        self.backend = backend
+        self.cache_pool: Any = None
+        self.num_warmup_iters = num_warmup_iters
+        self.allow_unused_input = allow_unused_input
+        self.max_signatures = max_signatures
+        self.capture_error_mode = capture_error_mode
+        self.is_module = isinstance(func, nn.Module)
+        self.params: Tuple[torch.Tensor, ...] = tuple(func.parameters()) if self.is_module else ()
+        self.training = func.training if self.is_module else None
+        self.signatures: Dict[tuple, _CapturedSignature] = {}
+        self.stats: Dict[tuple, SignatureStats] = {}
+        self.eager_calls: Counter = Counter()
+        self._released = False
+
+    def call_original(self, *args: Any, **kwargs: Any) -> Any:
+        if self.is_module:
+            return type(self.func).forward(self.func, *args, **kwargs)
+        return self.func(*args, **kwargs)
+
+    # calls ---------------------------------------------------------------------------------------
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self._released:
+            return self.call_original(*args, **kwargs)
+        if self.is_module and self.func.training != self.training:
+            return self._eager("module mode differs from capture (train/eval)", args, kwargs)
+        flat, spec = _flatten_call(args, kwargs)
+        key = _signature(spec, flat, self.backend)
+        sig = self.signatures.get(key)
+        if sig is None:
+            if len(self.signatures) >= self.max_signatures:
+                return self._eager(f"signature {_describe(key)} not captured (max_signatures="
+                                   f"{self.max_signatures} reached)", args, kwargs)
+            if any(not isinstance(t, torch.Tensor) for t in flat):
+                return self._eager(f"non-tensor argument in {_describe(key)}", args, kwargs)
+            if self.backend.is_current_stream_capturing():
+                return self._eager("new signature met during another capture", args, kwargs)
+            sig = self._capture_new(key, flat, spec)
+        if not sig.pool_order.may_replay(sig.order):
+            return self._eager("called again before the backward of an earlier call in the same pool",
+                               args, kwargs)
+        self.stats[key].replays += 1
+        return sig(flat)
+
+    def _eager(self, reason: str, args: tuple, kwargs: dict) -> Any:
+        self.eager_calls[reason] += 1
+        return self.call_original(*args, **kwargs)
+
+    def _capture_new(self, key: tuple, flat: List[torch.Tensor], spec: Any) -> _CapturedSignature:
+        # Later signatures share a pool of their own: captured after the first batch, they could reuse
+        # memory that other callables' pending backwards still need.
+        if self.cache_pool is None:
+            self.cache_pool = self.backend.graph_pool_handle()
+        static = tuple(t.detach().clone().requires_grad_(t.requires_grad) for t in flat)
+        sig = _CapturedSignature(self, static, spec, self.cache_pool, (next(_batch_ids), 0))
+        capture_signatures([sig], key_of={id(sig): key})
+        return sig
+
+    # lifecycle -----------------------------------------------------------------------------------
+    def release(self) -> None:
+        """Drop all graphs; later calls run the original forward."""
+        for sig in self.signatures.values():
+            sig.pool_order.pending.pop(id(sig), None)
+            sig.fwd_graph.reset()
+            sig.bwd_graph.reset()
+        self.signatures.clear()
+        self._released = True
+
+    def report(self) -> Dict[str, Any]:
+        """Signatures with replays, capture time and pool bytes; eager calls by reason."""
+        return {
+            "name": self.name,
+            "backend": self.backend.name,
+            "signatures": [vars(s).copy() for s in self.stats.values()],
+            "replays": sum(s.replays for s in self.stats.values()),
+            "eager_calls": dict(self.eager_calls),
+            "released": self._released,
+        }
+
+
+def capture_signatures(sigs: Sequence[_CapturedSignature], key_of: Dict[int, tuple]) -> None:
+    """Warm up, then capture forwards in order and backwards in reverse order (torch's pool order).
+
+    RNG state and module buffers are restored after warmup, so warmup leaves no trace. On failure
+    nothing is registered and the error names the callable.
+    """
+    owners = [s.owner for s in sigs]
+    backend = owners[0].backend
+    modules = [o.func for o in owners if o.is_module]
+    buffers = [b for m in modules for b in m.buffers()]
+    saved_buffers = [b.detach().clone() for b in buffers]
+    cpu_rng, device_rng = torch.get_rng_state(), backend.get_rng_state()
+    started = time.perf_counter()
+    current = sigs[0]
+    try:
+        with torch.enable_grad():
+            backend.synchronize()
+            with backend.stream(backend.new_stream()):
+                for current in sigs:
+                    current.warmup()
+            backend.synchronize()
+            with torch.no_grad():
+                for b, saved in zip(buffers, saved_buffers):
+                    b.copy_(saved)
+            torch.set_rng_state(cpu_rng)
+            if device_rng is not None:
+                backend.set_rng_state(device_rng)
+            for current in sigs:
+                current.capture_forward()
+            for current in reversed(sigs):
+                current.capture_backward()
+    except (GraphCaptureError, GraphStateError, RuntimeError) as exc:
+        with torch.no_grad():
+            for b, saved in zip(buffers, saved_buffers):
+                b.copy_(saved)
+        for s in sigs:
+            s.fwd_graph.reset() if s.fwd_graph.is_captured else None
+            s.bwd_graph.reset() if s.bwd_graph.is_captured else None
+        raise GraphCaptureError(f"capturing {current.owner.name} failed: {exc}") from exc
+    seconds = (time.perf_counter() - started) / len(sigs)
+    for s in sigs:
+        key = key_of[id(s)]
+        s.owner.signatures[key] = s
+        pool_bytes = [g.pool_bytes() for g in (s.fwd_graph, s.bwd_graph)]
+        s.owner.stats[key] = SignatureStats(
+            _describe(key), capture_seconds=seconds,
+            pool_bytes=None if pool_bytes[0] is None else sum(b or 0 for b in pool_bytes))
+
+
+class GraphedForward:
+    """The ``forward`` installed on a graphed module; deep copies and pickles become the plain forward."""
+
+    def __init__(self, state: GraphedCallable) -> None:
+        self.state = state
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.state(*args, **kwargs)
+
+    def __deepcopy__(self, memo: dict) -> Any:
+        copy = memo.get(id(self.state.func))
+        return _plain_forward(copy) if copy is not None else None
+
+    def __reduce__(self) -> Any:
+        return _plain_forward, (self.state.func,)
+
+
+def _plain_forward(module: nn.Module) -> Callable:
+    return types.MethodType(type(module).forward, module)
+
+
+def _check_callable(func: Callable, name: str, flat_args: List[Any], backend: Backend) -> None:
+    if isinstance(func, nn.Module):
+        if isinstance(getattr(func, "__dict__", {}).get("forward"), GraphedForward):
+            raise GraphStateError(f"{name} is already graphed; call npugraph_train.graphed.ungraph({name}) first")
+        for sub_name, sub in func.named_modules():
+            where = f"{name}.{sub_name}" if sub_name else name
+            hooks = [kind for kind in ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks",
+                                       "_backward_pre_hooks") if getattr(sub, kind, None)]
+            if hooks:
+                raise GraphCaptureError(
+                    f"{where} has module hooks ({', '.join(h.strip('_') for h in hooks)}); hooks run once at "
+                    "capture and never on replay. Remove them before graphing, or leave this module eager")
+        for buf_name, buf in func.named_buffers():
+            if buf.requires_grad:
+                raise GraphCaptureError(f"{name}: buffer {buf_name!r} requires grad; graphed modules need "
+                                        "buffers with requires_grad=False (make it a Parameter instead)")
+    bad = [type(a).__name__ for a in flat_args if not isinstance(a, torch.Tensor)]
+    if bad:
+        raise GraphCaptureError(f"{name}: sample arguments must all be tensors (got {', '.join(bad)}); pass "
+                                "other values through a closure or keep this callable eager")
+    if backend.autocast_state()[0] and torch.is_autocast_cache_enabled():
+        raise GraphCaptureError(f"{name}: graphing under autocast needs cache_enabled=False "
+                                f"(torch.autocast('{backend.device_type}', ..., cache_enabled=False))")
+
+
+def make_graphed_callables(
+    callables: Union[Callable, Tuple[Callable, ...]],
+    sample_args: Union[tuple, Tuple[tuple, ...]],
+    num_warmup_iters: int = 3,
+    allow_unused_input: bool = False,
+    pool: Any = None,
+    *,
+    sample_kwargs: Union[Dict[str, Any], Tuple[Dict[str, Any], ...], None] = None,
+    max_signatures: Union[int, Sequence[int]] = 1,
+    names: Optional[Sequence[str]] = None,
+    capture_error_mode: str = "global",
+    backend: Union[str, Backend, None] = None,
+) -> Any:
+    """Capture forward and backward of each callable as graphs and return graphed versions.
+
+    Args:
+        callables: a module or function, or a tuple of them, captured in order into one memory pool.
+            Replays of callables sharing a pool must follow that order (forwards in order, backwards in
+            reverse), as in a training step.
+        sample_args: a tuple of tensors per callable (a tuple of such tuples for several callables).
+        num_warmup_iters: eager iterations on a side stream before capture (11 under DDP).
+        allow_unused_input: passed to ``torch.autograd.grad`` in warmup and backward capture.
+        pool: a pool handle to capture into; a new one by default.
+        sample_kwargs: keyword tensor arguments per callable.
+        max_signatures: graphs per callable, one per input signature (an int, or one per callable).
+        names: names used in errors and reports (e.g. qualified module names).
+        capture_error_mode: ``"global"``, ``"thread_local"`` or ``"relaxed"``.
+        backend: ``"npu"``, ``"cuda"``, ``"emulate"`` or None for the process default.
+
+    Returns:
+        The module (with its ``forward`` replaced) or a graphed function, or a tuple of them.
+    """
+    single = not isinstance(callables, tuple)
+    funcs: Tuple[Callable, ...] = (callables,) if single else callables
+    args_list = (sample_args,) if single else tuple(sample_args)
+    kwargs_list = ((sample_kwargs or {}),) if single else tuple(sample_kwargs or ({},) * len(funcs))
+    if not (len(args_list) == len(kwargs_list) == len(funcs)):
+        raise ValueError(f"make_graphed_callables: {len(funcs)} callables but {len(args_list)} sample_args and "
+                         f"{len(kwargs_list)} sample_kwargs")
+    limits = [max_signatures] * len(funcs) if isinstance(max_signatures, int) else list(max_signatures)
+    names = list(names) if names is not None else [
+        type(f).__name__ if isinstance(f, nn.Module) else getattr(f, "__qualname__", repr(f)) for f in funcs]
+    chosen = get_backend(backend)
+    pool = pool if pool is not None else chosen.graph_pool_handle()
+    batch = next(_batch_ids)
+
+    sigs, key_of, states = [], {}, []
+    for index, (func, args, kwargs, limit, name) in enumerate(zip(funcs, args_list, kwargs_list, limits, names)):
+        if not isinstance(args, tuple):
+            raise TypeError(f"{name}: sample_args must be a tuple of tensors (got {type(args).__name__})")
+        flat, spec = _flatten_call(args, kwargs)
+        _check_callable(func, name, flat, chosen)
+        state = GraphedCallable(func, name, chosen, num_warmup_iters, allow_unused_input, limit, capture_error_mode)
+        sig = _CapturedSignature(state, tuple(flat), spec, pool, (batch, index))
+        key_of[id(sig)] = _signature(spec, flat, chosen)
+        sigs.append(sig)
+        states.append(state)
+    capture_signatures(sigs, key_of)
+
+    results = []
+    for state in states:
+        if state.is_module:
+            state.func.forward = GraphedForward(state)
+            results.append(state.func)
+        else:
+            results.append(_graphed_function(state))
+    return results[0] if single else tuple(results)
+
+
+def _graphed_function(state: GraphedCallable) -> Callable:
+    def graphed(*args: Any, **kwargs: Any) -> Any:
+        return state(*args, **kwargs)
+    graphed.graphed_state = state  # type: ignore[attr-defined]
+    return graphed
+
+
+def graphed_state(obj: Any) -> Optional[GraphedCallable]:
+    """The :class:`GraphedCallable` behind a graphed module or function, or None."""
+    forward = getattr(obj, "__dict__", {}).get("forward")
+    if isinstance(forward, GraphedForward):
+        return forward.state
+    return getattr(obj, "graphed_state", None)
+
+
+def ungraph(obj: Any) -> Any:
+    """Drop the graphs of a graphed module (restoring its original forward) or function."""
+    state = graphed_state(obj)
+    if state is None:
+        return obj
+    state.release()
+    if isinstance(obj, nn.Module):
+        del obj.forward
+    return obj

@@ -1,0 +1,99 @@
+"""``@graph_safe``: mark modules whose forward (and backward) can be captured as graphs.
+
+Marking changes nothing by itself; :class:`npugraph_train.NPUGraphCallback` (or your own code, via
+:func:`graph_safe_modules`) graphs the marked modules::
+
+    @graph_safe
+    class Block(nn.Module): ...
+
+    @graph_safe(max_signatures=4)      # options the callback reads
+    class Decoder(nn.Module): ...
+
+    graph_safe(model.encoder)          # mark one instance
+
+A class mark applies to instances of exactly that class, not to subclasses, which may override
+``forward`` with code that is not capture-safe.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any, Callable, List, Optional, Tuple, TypeVar, Union, overload
+
+import torch.nn as nn
+
+_ATTR = "__npugraph_safe__"
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class GraphSafeOptions:
+    """Per-module capture options; None means "use the callback's setting"."""
+
+    max_signatures: Optional[int] = None
+    num_warmup_iters: Optional[int] = None
+    allow_unused_input: Optional[bool] = None
+
+    def __post_init__(self) -> None:
+        for name in ("max_signatures", "num_warmup_iters"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value < (1 if name == "max_signatures" else 0)):
+                raise ValueError(f"graph_safe({name}={value!r}): expected an int >= "
+                                 f"{1 if name == 'max_signatures' else 0}")
+
+
+@overload
+def graph_safe(obj: T) -> T: ...
+
+
+@overload
+def graph_safe(obj: None = None, **options: Any) -> Callable[[T], T]: ...
+
+
+def graph_safe(obj: Any = None, **options: Any) -> Any:
+    """Mark a module class or instance as capture-safe, optionally with :class:`GraphSafeOptions`."""
+    opts = GraphSafeOptions(**options)
+
+    def mark(target: Any) -> Any:
+        if isinstance(target, type) and issubclass(target, nn.Module):
+            setattr(target, _ATTR, (target, opts))
+        elif isinstance(target, nn.Module):
+            object.__setattr__(target, _ATTR, (target, opts))
+        else:
+            raise TypeError(f"graph_safe marks nn.Module classes or instances, not {type(target).__name__}")
+        return target
+
+    return mark if obj is None else mark(obj)
+
+
+def graph_safe_options(module: nn.Module) -> Optional[GraphSafeOptions]:
+    """The options the module was marked with, or None if it is not marked."""
+    mark = getattr(module, _ATTR, None)
+    if mark is None:
+        return None
+    owner, opts = mark
+    return opts if owner is module or owner is type(module) else None
+
+
+def is_graph_safe(module: nn.Module) -> bool:
+    """True if ``module`` (its class or the instance itself) is marked with ``@graph_safe``."""
+    return graph_safe_options(module) is not None
+
+
+def graph_safe_modules(model: nn.Module) -> List[Tuple[str, nn.Module]]:
+    """Marked submodules of ``model`` as ``(qualified name, module)``, in ``named_modules`` order.
+
+    Outermost only: a marked module inside a marked module is captured as part of it.
+    """
+    found: List[Tuple[str, nn.Module]] = []
+    for name, module in model.named_modules():
+        if is_graph_safe(module) and not any(name.startswith(outer + ".") or outer == "" for outer, _ in found):
+            found.append((name, module))
+    return found
+
+
+def merge_options(base: GraphSafeOptions, module: nn.Module) -> GraphSafeOptions:
+    """``base`` with the module's own non-None options on top."""
+    own = graph_safe_options(module)
+    if own is None:
+        return base
+    return replace(base, **{k: v for k, v in own.__dict__.items() if v is not None})

@@ -1,0 +1,383 @@
+import copy
+import io
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn as nn
+
+import npugraph_train
+import npugraph_train.graphed as ng
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+
+
+def _train(make_model, make_batch, graphed, steps=6, accum=1, sample=None, lr=0.05, **graph_kwargs):
+    """Train with SGD; returns the model. Sample args are made before the data so RNG use matches."""
+    torch.manual_seed(0)
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
+    samples = sample() if sample else None
+    torch.manual_seed(1)
+    batches = [make_batch() for _ in range(steps * accum)]
+    if graphed:
+        ng.make_graphed_callables(model, samples, **graph_kwargs)
+    for i, (x, y) in enumerate(batches):
+        nn.functional.mse_loss(model(x), y).backward()
+        if (i + 1) % accum == 0:
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+    return model
+
+
+def _assert_same_state(a, b):
+    sa, sb = a.state_dict(), b.state_dict()
+    assert list(sa) == list(sb)
+    for key in sa:
+        assert torch.equal(sa[key], sb[key]), key
+
+
+MODELS = {
+    "mlp": (lambda: nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.LayerNorm(16), nn.Linear(16, 1)),
+            lambda: (torch.randn(4, 8), torch.randn(4, 1)), lambda: (torch.zeros(4, 8),)),
+    "conv_bn": (lambda: nn.Sequential(nn.Conv2d(2, 4, 3, padding=1), nn.BatchNorm2d(4), nn.ReLU(), nn.Flatten(),
+                                      nn.Linear(4 * 6 * 6, 1)),
+                lambda: (torch.randn(3, 2, 6, 6), torch.randn(3, 1)), lambda: (torch.zeros(3, 2, 6, 6),)),
+    "transformer": (lambda: nn.Sequential(nn.TransformerEncoderLayer(16, 2, 32, dropout=0.1, batch_first=True),
+                                          nn.Flatten(), nn.Linear(5 * 16, 1)),
+                    lambda: (torch.randn(2, 5, 16), torch.randn(2, 1)), lambda: (torch.zeros(2, 5, 16),)),
+    "dropout": (lambda: nn.Sequential(nn.Linear(8, 32), nn.Dropout(0.5), nn.Linear(32, 1)),
+                lambda: (torch.randn(4, 8), torch.randn(4, 1)), lambda: (torch.zeros(4, 8),)),
+}
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_parity_with_eager_bitwise(name):
+    make_model, make_batch, sample = MODELS[name]
+    eager = _train(make_model, make_batch, graphed=False, sample=sample)
+    graphed = _train(make_model, make_batch, graphed=True, sample=sample)
+    _assert_same_state(eager, graphed)
+    assert ng.graphed_state(graphed).report()["replays"] == 6
+    assert ng.graphed_state(graphed).report()["eager_calls"] == {}
+
+
+def test_gradient_accumulation_over_4_micro_batches():
+    make_model, make_batch, sample = MODELS["mlp"]
+    eager = _train(make_model, make_batch, graphed=False, accum=4, sample=sample)
+    graphed = _train(make_model, make_batch, graphed=True, accum=4, sample=sample)
+    _assert_same_state(eager, graphed)
+
+
+def test_dropout_masks_differ_across_replays():
+    torch.manual_seed(0)
+    model = ng.make_graphed_callables(nn.Sequential(nn.Linear(8, 64), nn.Dropout(0.5)), (torch.ones(2, 8),))
+    x = torch.ones(2, 8)
+    first = model(x).detach().clone()
+    second = model(x).detach().clone()
+    assert not torch.equal(first == 0, second == 0)
+
+
+def test_warmup_leaves_rng_and_buffers_untouched():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), nn.Dropout(0.3))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    sample = torch.randn(8, 4) * 5 + 3
+    rng = torch.get_rng_state()
+    ng.make_graphed_callables(model, (sample,), num_warmup_iters=3)
+    assert torch.equal(torch.get_rng_state(), rng)
+    for key, value in model.state_dict().items():
+        assert torch.equal(value, before[key]), key
+
+
+class Scaled(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x, *, scale, shift=None):
+        out = self.lin(x) * scale
+        return out if shift is None else out + shift
+
+
+def test_keyword_tensor_arguments():
+    def train(graphed):
+        torch.manual_seed(0)
+        model = Scaled()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        if graphed:
+            ng.make_graphed_callables(model, (torch.zeros(3, 4),),
+                                      sample_kwargs={"scale": torch.ones(3, 1), "shift": torch.zeros(3, 4)})
+        torch.manual_seed(1)
+        for _ in range(4):
+            x, s, b = torch.randn(3, 4), torch.rand(3, 1), torch.randn(3, 4)
+            model(x, shift=b, scale=s).pow(2).mean().backward()  # keyword order differs from the sample
+            opt.step()
+            opt.zero_grad()
+        return model
+
+    eager, graphed = train(False), train(True)
+    _assert_same_state(eager, graphed)
+    state = ng.graphed_state(graphed)
+    assert state.report()["replays"] == 4
+    graphed(torch.randn(3, 4), scale=torch.rand(3, 1))  # no shift: another signature, eager
+    assert sum(state.eager_calls.values()) == 1
+
+
+def _grads_of(model, x):
+    model.zero_grad(set_to_none=True)
+    out = model(x)
+    out.pow(2).sum().backward()
+    return out.detach().clone(), [p.grad.clone() for p in model.parameters()]
+
+
+def test_signature_mismatch_runs_eager_with_correct_autograd():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 3), nn.Tanh())
+    reference = copy.deepcopy(model)
+    ng.make_graphed_callables(model, (torch.zeros(5, 4),))
+    state = ng.graphed_state(model)
+    for x in (torch.randn(2, 4), torch.randn(5, 4, requires_grad=True)):
+        out, grads = _grads_of(model, x)
+        ref_out, ref_grads = _grads_of(reference, x)
+        assert out.shape == ref_out.shape and torch.equal(out, ref_out)
+        assert all(torch.equal(a, b) for a, b in zip(grads, ref_grads))
+    assert state.report()["replays"] == 0
+    assert sum(state.eager_calls.values()) == 2
+    assert all("max_signatures=1" in reason for reason in state.eager_calls)
+
+
+def test_signature_cache_captures_up_to_max_signatures():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 3), nn.Tanh())
+    reference = copy.deepcopy(model)
+    ng.make_graphed_callables(model, (torch.zeros(5, 4),), max_signatures=2)
+    state = ng.graphed_state(model)
+    for batch in (5, 2, 2, 5, 7):
+        x = torch.randn(batch, 4)
+        out, grads = _grads_of(model, x)
+        ref_out, ref_grads = _grads_of(reference, x)
+        assert torch.equal(out, ref_out) and all(torch.equal(a, b) for a, b in zip(grads, ref_grads))
+    report = state.report()
+    assert [s["description"] for s in report["signatures"]] == ["(float32[5, 4])", "(float32[2, 4])"]
+    assert [s["replays"] for s in report["signatures"]] == [2, 2]
+    assert sum(report["eager_calls"].values()) == 1
+
+
+class Twice(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.block = nn.Sequential(nn.Linear(4, 4), nn.Tanh())
+
+    def forward(self, x):
+        return self.block(self.block(x))
+
+
+def test_same_module_twice_in_one_step_keeps_first_activations():
+    def train(graphed):
+        torch.manual_seed(0)
+        model = Twice()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        if graphed:
+            ng.make_graphed_callables(model.block, (torch.zeros(3, 4, requires_grad=True),))
+        torch.manual_seed(1)
+        for _ in range(3):
+            # both calls have the captured signature (the second call's input is the first's output)
+            model(torch.randn(3, 4, requires_grad=True)).pow(2).sum().backward()
+            opt.step()
+            opt.zero_grad()
+        return model
+
+    eager, graphed = train(False), train(True)
+    _assert_same_state(eager, graphed)
+    report = ng.graphed_state(graphed.block).report()
+    assert report["replays"] == 3
+    assert list(report["eager_calls"].values()) == [3]
+    assert "before the backward" in list(report["eager_calls"])[0]
+
+
+def test_eval_mode_runs_eager():
+    model = ng.make_graphed_callables(nn.Sequential(nn.Linear(4, 4), nn.Dropout(0.5)), (torch.zeros(2, 4),))
+    model.eval()
+    x = torch.randn(2, 4)
+    assert torch.equal(model(x), model[0](x))
+    assert "train/eval" in list(ng.graphed_state(model).eager_calls)[0]
+
+
+def test_tuple_of_callables_share_a_pool_and_the_doc_example_matches_eager():
+    import graphed_callables as example
+
+    small = dict(N=8, D_in=12, H=10, D_out=4)
+    assert example.run(True, **small) == example.run(False, **small)
+
+
+def test_tuple_capture_shares_pool():
+    a, b = nn.Linear(3, 3), nn.Linear(3, 2)
+    x = torch.zeros(2, 3)
+    h = torch.zeros(2, 3, requires_grad=True)
+    ga, gb = ng.make_graphed_callables((a, b), ((x,), (h,)))
+    sig_a = next(iter(ng.graphed_state(ga).signatures.values()))
+    sig_b = next(iter(ng.graphed_state(gb).signatures.values()))
+    assert sig_a.fwd_graph.pool() == sig_b.fwd_graph.pool() == sig_b.bwd_graph.pool()
+    out = gb(ga(torch.randn(2, 3)))
+    out.sum().backward()
+    assert a.weight.grad is not None and b.weight.grad is not None
+
+
+def test_plain_function_and_dtype_signature():
+    w = torch.randn(3, requires_grad=True)
+
+    def fn(x, weight):
+        return (x * weight).tanh()
+
+    graphed = ng.make_graphed_callables(fn, (torch.zeros(3), w))
+    x = torch.randn(3)
+    graphed(x, w).sum().backward()
+    expected = torch.autograd.grad(fn(x, w).sum(), w)[0]
+    assert torch.equal(w.grad, expected)
+    x64, w64 = torch.randn(3, dtype=torch.float64), w.detach().double().requires_grad_()
+    assert torch.equal(graphed(x64, w64), fn(x64, w64))
+    state = graphed.graphed_state
+    assert state.report()["replays"] == 1 and "float64[3]" in list(state.eager_calls)[0]
+
+
+class TestErrors:
+    def test_hooks_named(self):
+        model = nn.Sequential(nn.Linear(2, 2), nn.ReLU())
+        model[1].register_forward_hook(lambda *a: None)
+        with pytest.raises(ng.GraphCaptureError, match=r"encoder\.1 has module hooks \(forward_hooks\)"):
+            ng.make_graphed_callables(model, (torch.zeros(1, 2),), names=["encoder"])
+
+    def test_buffer_requiring_grad(self):
+        model = nn.Linear(2, 2)
+        model.register_buffer("scale", torch.ones(2, requires_grad=True))
+        with pytest.raises(ng.GraphCaptureError, match="head: buffer 'scale' requires grad"):
+            ng.make_graphed_callables(model, (torch.zeros(1, 2),), names=["head"])
+
+    def test_non_tensor_sample_args(self):
+        with pytest.raises(ng.GraphCaptureError, match="Linear: sample arguments must all be tensors.*int"):
+            ng.make_graphed_callables(nn.Linear(2, 2), (torch.zeros(1, 2), 3))
+
+    def test_item_in_forward_names_module_op_and_line(self):
+        class Bad(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.lin = nn.Linear(2, 2)
+
+            def forward(self, x):
+                if x.sum().item() > 0:
+                    x = x * 2
+                return self.lin(x)
+
+        model = Bad()
+        before = {k: v.clone() for k, v in model.state_dict().items()}
+        with pytest.raises(ng.GraphCaptureError) as info:
+            ng.make_graphed_callables(model, (torch.ones(1, 2),), names=["net.bad"])
+        message = str(info.value)
+        assert "capturing net.bad failed" in message and "_local_scalar_dense" in message
+        assert "test_graphed_callables.py" in message and "if x.sum().item() > 0:" in message
+        assert "forward" not in model.__dict__, "a failed capture leaves the module as it was"
+        _assert_same_state_dict(model.state_dict(), before)
+
+    def test_already_graphed(self):
+        model = ng.make_graphed_callables(nn.Linear(2, 2), (torch.zeros(1, 2),))
+        with pytest.raises(ng.GraphStateError, match="already graphed"):
+            ng.make_graphed_callables(model, (torch.zeros(1, 2),))
+
+
+def _assert_same_state_dict(a, b):
+    assert list(a) == list(b) and all(torch.equal(a[k], b[k]) for k in a)
+
+
+class TestUndoAndCopies:
+    def test_ungraph_restores_forward(self):
+        model = nn.Linear(3, 2)
+        keys = list(model.state_dict())
+        ng.make_graphed_callables(model, (torch.zeros(1, 3),))
+        assert list(model.state_dict()) == keys
+        assert "forward" in model.__dict__
+        npugraph_train.ungraph(model)
+        assert "forward" not in model.__dict__ and ng.graphed_state(model) is None
+        x = torch.randn(1, 3)
+        assert torch.equal(model(x), x @ model.weight.T + model.bias)
+
+    def test_deepcopy_is_plain_and_uses_its_own_parameters(self):
+        model = ng.make_graphed_callables(nn.Linear(3, 2), (torch.zeros(1, 3),))
+        state = ng.graphed_state(model)
+        clone = copy.deepcopy(model)
+        assert ng.graphed_state(clone) is None
+        with torch.no_grad():
+            clone.weight.fill_(1.0)
+            clone.bias.zero_()
+        x = torch.randn(1, 3)
+        assert torch.allclose(clone(x), x.sum(1, keepdim=True).expand(1, 2))
+        assert state.report()["replays"] == 0
+
+    def test_pickle_roundtrip_is_plain(self):
+        model = ng.make_graphed_callables(nn.Linear(3, 2), (torch.zeros(1, 3),))
+        buffer = io.BytesIO()
+        torch.save(model, buffer)
+        buffer.seek(0)
+        loaded = torch.load(buffer, weights_only=False)
+        assert ng.graphed_state(loaded) is None
+        x = torch.randn(1, 3)
+        assert torch.equal(loaded(x), torch.nn.functional.linear(x, loaded.weight, loaded.bias))
+
+
+def test_npu_backend_through_the_double(npu_double):
+    make_model, make_batch, sample = MODELS["mlp"]
+    graphed = _train(make_model, make_batch, graphed=True, sample=sample)
+    assert ng.graphed_state(graphed).backend.name == "npu"
+    calls = [c for c in npu_double if c[0] == "graph"]
+    assert len(calls) == 2 and all(set(c[2]) == {"pool", "stream", "auto_dispatch_capture", "capture_error_mode"}
+                                   for c in calls)
+    assert calls[0][2]["pool"] == calls[1][2]["pool"] is not None
+    import os
+    os.environ["NPUGRAPH_BACKEND"] = "emulate"
+    eager = _train(make_model, make_batch, graphed=False, sample=sample)
+    _assert_same_state(eager, graphed)
+
+
+class TestMarker:
+    def test_class_and_instance_marks(self):
+        @npugraph_train.graph_safe
+        class Block(nn.Linear):
+            pass
+
+        class SubBlock(Block):
+            pass
+
+        @ng.graph_safe(max_signatures=4)
+        class Decoder(nn.Linear):
+            pass
+
+        model = nn.Sequential(Block(2, 2), nn.Sequential(Block(2, 2), nn.Linear(2, 2)), SubBlock(2, 2),
+                              Decoder(2, 2), nn.Linear(2, 2))
+        ng.graph_safe(model[4], num_warmup_iters=11)
+        assert ng.is_graph_safe(model[0]) and not ng.is_graph_safe(model[2])
+        assert ng.graph_safe_options(model[3]).max_signatures == 4
+        assert ng.graph_safe_options(model[4]).num_warmup_iters == 11
+        assert not ng.is_graph_safe(nn.Linear(2, 2)), "marking an instance leaves its class alone"
+        assert [n for n, _ in ng.graph_safe_modules(model)] == ["0", "1.0", "3", "4"]
+
+    def test_outermost_only(self):
+        inner = ng.graph_safe(nn.Linear(2, 2))
+        outer = ng.graph_safe(nn.Sequential(inner, nn.ReLU()))
+        model = nn.Sequential(outer, nn.Linear(2, 2))
+        assert [n for n, _ in ng.graph_safe_modules(model)] == ["0"]
+
+    def test_marking_has_no_effect(self):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(2, 2))
+        x = torch.randn(3, 2)
+        before = model(x)
+        ng.graph_safe(model[0])
+        assert "forward" not in model[0].__dict__
+        assert torch.equal(model(x), before)
+        assert list(model.state_dict()) == ["0.weight", "0.bias"]
+
+    def test_bad_options(self):
+        with pytest.raises(ValueError, match="max_signatures=0"):
+            ng.graph_safe(max_signatures=0)
+        with pytest.raises(TypeError, match="nn.Module"):
+            ng.graph_safe(lambda x: x)
