@@ -24,6 +24,7 @@ from __future__ import annotations
 import itertools
 import time
 import types
+import warnings
 import weakref
 from collections import Counter
 from dataclasses import dataclass, field
@@ -38,9 +39,12 @@ from .errors import GraphCaptureError, GraphStateError
 from .graphs import Graph, graph
 
 _batch_ids = itertools.count()
+_MODE_DIFFERS = "module mode differs from capture (train/eval)"
 
 
 def _leaf_signature(t: Any) -> Any:
+    if t is None:  # an optional argument left out: part of the call's structure, not an input
+        return ("none",)
     if not isinstance(t, torch.Tensor):
         return ("non-tensor", type(t).__name__)
     return (tuple(t.shape), t.dtype, t.device, t.requires_grad)
@@ -53,7 +57,9 @@ def _signature(spec: Any, leaves: Sequence[Any], backend: Backend) -> tuple:
 def _describe(signature: tuple) -> str:
     parts = []
     for leaf in signature[1]:
-        if leaf[0] == "non-tensor":
+        if leaf[0] == "none":
+            parts.append("None")
+        elif leaf[0] == "non-tensor":
             parts.append(leaf[1])
         else:
             shape, dtype, _, requires_grad = leaf
@@ -109,12 +115,13 @@ class SignatureStats:
 class _CapturedSignature:
     """Forward and backward graphs of one callable for one input signature."""
 
-    def __init__(self, owner: "GraphedCallable", static_inputs: Tuple[torch.Tensor, ...], spec: Any,
+    def __init__(self, owner: "GraphedCallable", leaves: List[Optional[torch.Tensor]], spec: Any,
                  pool: Any, order: Tuple[int, int]) -> None:
         self.owner = owner
+        self.leaves = leaves
         self.pool = pool
         self.pool_order = _PoolOrder.of(pool)
-        self.static_inputs = static_inputs
+        self.static_inputs = tuple(t for t in leaves if t is not None)
         self.spec = spec
         self.order = order
         self.fwd_graph = Graph(owner.backend)
@@ -132,7 +139,7 @@ class _CapturedSignature:
     def warmup(self) -> None:
         surface = self.surface
         for _ in range(self.owner.num_warmup_iters):
-            args, kwargs = tree_unflatten(list(self.static_inputs), self.spec)
+            args, kwargs = tree_unflatten(self.leaves, self.spec)
             outputs = [o for o in tree_flatten(self.owner.call_original(*args, **kwargs))[0]
                        if isinstance(o, torch.Tensor) and o.requires_grad]
             inputs = tuple(i for i in surface if i.requires_grad)
@@ -141,7 +148,7 @@ class _CapturedSignature:
                                     only_inputs=True, allow_unused=self.owner.allow_unused_input)
 
     def capture_forward(self) -> None:
-        args, kwargs = tree_unflatten(list(self.static_inputs), self.spec)
+        args, kwargs = tree_unflatten(self.leaves, self.spec)
         with graph(self.fwd_graph, pool=self.pool, capture_error_mode=self.owner.capture_error_mode):
             outputs = self.owner.call_original(*args, **kwargs)
         flat, self.output_spec = tree_flatten(outputs)
@@ -197,8 +204,8 @@ class _CapturedSignature:
 
         return Graphed
 
-    def __call__(self, flat_args: List[torch.Tensor]) -> Any:
-        out = self.function.apply(*flat_args, *self.owner.params)
+    def __call__(self, flat_args: List[Optional[torch.Tensor]]) -> Any:
+        out = self.function.apply(*(t for t in flat_args if t is not None), *self.owner.params)
         return tree_unflatten(list(out), self.output_spec)
 
 
@@ -208,8 +215,8 @@ class GraphedCallable:
     Reach it through ``graphed_state(module_or_fn)``; ``report()`` gives the counters.
     """
 
-    def __init__(self, func: Callable, name: str, backend: Backend, num_warmup_iters: int, allow_unused_input: bool, max_signatures: int,
-                 capture_error_mode: str) -> None:
+    def __init__(self, func: Callable, name: str, backend: Backend, num_warmup_iters: int,
+                 allow_unused_input: bool, max_signatures: int, capture_error_mode: str) -> None:
         self.func = func
         self.name = name
         self.backend = backend
@@ -225,6 +232,7 @@ class GraphedCallable:
         self.stats: Dict[tuple, SignatureStats] = {}
         self.eager_calls: Counter = Counter()
         self._released = False
+        self._warned = False
 
     def call_original(self, *args: Any, **kwargs: Any) -> Any:
         if self.is_module:
@@ -236,7 +244,7 @@ class GraphedCallable:
         if self._released:
             return self.call_original(*args, **kwargs)
         if self.is_module and self.func.training != self.training:
-            return self._eager("module mode differs from capture (train/eval)", args, kwargs)
+            return self._eager(_MODE_DIFFERS, args, kwargs)
         flat, spec = _flatten_call(args, kwargs)
         key = _signature(spec, flat, self.backend)
         sig = self.signatures.get(key)
@@ -244,7 +252,7 @@ class GraphedCallable:
             if len(self.signatures) >= self.max_signatures:
                 return self._eager(f"signature {_describe(key)} not captured (max_signatures="
                                    f"{self.max_signatures} reached)", args, kwargs)
-            if any(not isinstance(t, torch.Tensor) for t in flat):
+            if any(not isinstance(t, torch.Tensor) and t is not None for t in flat):
                 return self._eager(f"non-tensor argument in {_describe(key)}", args, kwargs)
             if self.backend.is_current_stream_capturing():
                 return self._eager("new signature met during another capture", args, kwargs)
@@ -256,6 +264,11 @@ class GraphedCallable:
         return sig(flat)
 
     def _eager(self, reason: str, args: tuple, kwargs: dict) -> Any:
+        # Eval-mode calls are eager by design (validation); anything else is worth one warning.
+        if not self._warned and reason != _MODE_DIFFERS:
+            self._warned = True
+            warnings.warn(f"npugraph_train: {self.name} ran eager: {reason}. Later eager calls are only counted "
+                          "(graphed_state(...).report())", RuntimeWarning, stacklevel=3)
         self.eager_calls[reason] += 1
         return self.call_original(*args, **kwargs)
 
@@ -264,7 +277,7 @@ class GraphedCallable:
         # memory that other callables' pending backwards still need.
         if self.cache_pool is None:
             self.cache_pool = self.backend.graph_pool_handle()
-        static = tuple(t.detach().clone().requires_grad_(t.requires_grad) for t in flat)
+        static = [t.detach().clone().requires_grad_(t.requires_grad) if t is not None else None for t in flat]
         sig = _CapturedSignature(self, static, spec, self.cache_pool, (next(_batch_ids), 0))
         capture_signatures([sig], key_of={id(sig): key})
         return sig
@@ -329,7 +342,8 @@ def capture_signatures(sigs: Sequence[_CapturedSignature], key_of: Dict[int, tup
         for s in sigs:
             s.fwd_graph.reset() if s.fwd_graph.is_captured else None
             s.bwd_graph.reset() if s.bwd_graph.is_captured else None
-        raise GraphCaptureError(f"capturing {current.owner.name} failed: {exc}") from exc
+        raise GraphCaptureError(f"capturing {current.owner.name} failed: {exc}",
+                                module_name=current.owner.name) from exc
     seconds = (time.perf_counter() - started) / len(sigs)
     for s in sigs:
         key = key_of[id(s)]
@@ -362,6 +376,9 @@ def _plain_forward(module: nn.Module) -> Callable:
 
 
 def _check_callable(func: Callable, name: str, flat_args: List[Any], backend: Backend) -> None:
+    def refuse(message: str) -> GraphCaptureError:
+        return GraphCaptureError(message, module_name=name)
+
     if isinstance(func, nn.Module):
         if isinstance(getattr(func, "__dict__", {}).get("forward"), GraphedForward):
             raise GraphStateError(f"{name} is already graphed; call npugraph_train.graphed.ungraph({name}) first")
@@ -370,20 +387,20 @@ def _check_callable(func: Callable, name: str, flat_args: List[Any], backend: Ba
             hooks = [kind for kind in ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks",
                                        "_backward_pre_hooks") if getattr(sub, kind, None)]
             if hooks:
-                raise GraphCaptureError(
-                    f"{where} has module hooks ({', '.join(h.strip('_') for h in hooks)}); hooks run once at "
-                    "capture and never on replay. Remove them before graphing, or leave this module eager")
+                raise refuse(f"{where} has module hooks ({', '.join(h.strip('_') for h in hooks)}); hooks run "
+                             "once at capture and never on replay. Remove them before graphing, or leave this "
+                             "module eager")
         for buf_name, buf in func.named_buffers():
             if buf.requires_grad:
-                raise GraphCaptureError(f"{name}: buffer {buf_name!r} requires grad; graphed modules need "
-                                        "buffers with requires_grad=False (make it a Parameter instead)")
-    bad = [type(a).__name__ for a in flat_args if not isinstance(a, torch.Tensor)]
+                raise refuse(f"{name}: buffer {buf_name!r} requires grad; graphed modules need buffers with "
+                             "requires_grad=False (make it a Parameter instead)")
+    bad = [type(a).__name__ for a in flat_args if not isinstance(a, torch.Tensor) and a is not None]
     if bad:
-        raise GraphCaptureError(f"{name}: sample arguments must all be tensors (got {', '.join(bad)}); pass "
-                                "other values through a closure or keep this callable eager")
+        raise refuse(f"{name}: sample arguments must all be tensors or None (got {', '.join(bad)}); pass other "
+                     "values through a closure or keep this callable eager")
     if backend.autocast_state()[0] and torch.is_autocast_cache_enabled():
-        raise GraphCaptureError(f"{name}: graphing under autocast needs cache_enabled=False "
-                                f"(torch.autocast('{backend.device_type}', ..., cache_enabled=False))")
+        raise refuse(f"{name}: graphing under autocast needs cache_enabled=False "
+                     f"(torch.autocast('{backend.device_type}', ..., cache_enabled=False))")
 
 
 def make_graphed_callables(
@@ -439,7 +456,7 @@ def make_graphed_callables(
         flat, spec = _flatten_call(args, kwargs)
         _check_callable(func, name, flat, chosen)
         state = GraphedCallable(func, name, chosen, num_warmup_iters, allow_unused_input, limit, capture_error_mode)
-        sig = _CapturedSignature(state, tuple(flat), spec, pool, (batch, index))
+        sig = _CapturedSignature(state, list(flat), spec, pool, (batch, index))
         key_of[id(sig)] = _signature(spec, flat, chosen)
         sigs.append(sig)
         states.append(state)

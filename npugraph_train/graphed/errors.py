@@ -1,4 +1,5 @@
 """Exceptions of the graph layer."""
+from typing import Optional
 
 
 class GraphCaptureError(RuntimeError):
@@ -6,8 +7,13 @@ class GraphCaptureError(RuntimeError):
 
     Raised for ops that need the host to read device data during capture (``.item()``, ``nonzero``, ...),
     for backend capture failures, and for modules that cannot be graphed. The message names the op or
-    module, the user's source line where known, and what to change.
+    module, the user's source line where known, and what to change; ``module_name`` is set when a
+    graphed callable's capture failed.
     """
+
+    def __init__(self, message: str, module_name: Optional[str] = None) -> None:
+        super().__init__(message)
+        self.module_name = module_name
 
 
 class GraphStateError(RuntimeError):

@@ -1,0 +1,122 @@
+"""``NPUGraphCallback``: graph capture for a Lightning ``Trainer``, on NPU, CUDA or the CPU emulator.
+
+::
+
+    from npugraph_train import NPUGraphCallback, graph_safe
+
+    @graph_safe
+    class Block(nn.Module): ...
+
+    trainer = Trainer(callbacks=[NPUGraphCallback(warmup_steps=3)])
+    trainer.fit(model)                       # eager for 3 steps, then the marked blocks replay as graphs
+    print(trainer.callbacks[0].format_report())
+
+In ``submodules`` mode, the last warmup step records the real inputs of every marked submodule (shapes,
+dtypes, requires_grad, keyword arguments, call order); the next step captures their forward and backward
+in that order into one pool, under the precision plugin's autocast. Validation, test and predict run the
+modules eager (eval mode); calls that do not fit a graph run eager and are counted in the report.
+Graphs are dropped and the original forwards restored at the end of fit, on exceptions and at teardown.
+"""
+from __future__ import annotations
+
+from typing import Any, Dict, List, Mapping, Optional, Union
+
+import lightning.pytorch as pl
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
+
+from ..config import NPUGraphConfig
+from ..graphed import get_backend
+from .report import format_report
+from .submodules import SubmoduleGrapher
+
+
+class NPUGraphCallback(Callback):
+    """Capture training as graphs after ``warmup_steps``; arguments are those of :class:`NPUGraphConfig`."""
+
+    def __init__(self, mode: str = "submodules", warmup_steps: int = 3, modules: Optional[List[str]] = None,
+                 modules_only: bool = False, num_warmup_iters: int = 3, backend: str = "auto",
+                 on_failure: str = "raise", max_signatures: int = 1, capture_error_mode: str = "thread_local",
+                 log_report: bool = True) -> None:
+        self.config = NPUGraphConfig(
+            mode=mode, warmup_steps=warmup_steps, modules=[] if modules is None else modules, modules_only=modules_only,
+            num_warmup_iters=num_warmup_iters, backend=backend, on_failure=on_failure,
+            max_signatures=max_signatures, capture_error_mode=capture_error_mode, log_report=log_report)
+        if self.config.mode == "whole_step":
+            raise MisconfigurationException(
+                "NPUGraphCallback(mode='whole_step') is not available yet in this version of npugraph_train; "
+                "use mode='submodules' (graph forward and backward of @graph_safe submodules)")
+        self._grapher: Optional[SubmoduleGrapher] = None
+        self._step = 0
+        self._fits_captured = 0
+
+    @classmethod
+    def from_config(cls, cfg: Union[NPUGraphConfig, Mapping[str, Any], Any]) -> "NPUGraphCallback":
+        """Build from an :class:`NPUGraphConfig`, a dict or an OmegaConf ``DictConfig`` (validated)."""
+        return cls(**vars(NPUGraphConfig.create(cfg)))
+
+    @property
+    def state_key(self) -> str:
+        return self._generate_state_key(mode=self.config.mode, modules=self.config.modules)
+
+    # lifecycle -----------------------------------------------------------------------------------
+    def setup(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
+        if stage != "fit":
+            return
+        if self.config.mode == "off":
+            rank_zero_warn("NPUGraphCallback(mode='off'): graph capture is off; training runs eager")
+            return
+        self._grapher = SubmoduleGrapher(self.config, get_backend(self.config.backend))
+        self._grapher.setup(pl_module)
+
+    def on_train_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        self._step = 0  # counted within this fit, also after resuming: a resumed run captures anew
+
+    def on_train_batch_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", batch: Any,
+                             batch_idx: int) -> None:
+        if self._grapher is None or not self._grapher.modules:
+            return
+        if self._step == self.config.warmup_steps - 1:
+            self._grapher.start_recording()
+        elif self._step == self.config.warmup_steps:
+            self._grapher.capture(trainer.precision_plugin.forward_context())
+            self._fits_captured += 1
+
+    def on_train_batch_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", outputs: Any,
+                           batch: Any, batch_idx: int) -> None:
+        self._step += 1
+        if self._grapher is not None:
+            self._grapher.stop_recording()
+
+    def on_train_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        # Before strategy.teardown moves the module: captured graphs hold the device addresses.
+        self._release()
+        if self.config.log_report and self._grapher is not None and self._grapher.modules:
+            rank_zero_info(self.format_report())
+
+    def on_exception(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", exception: BaseException) -> None:
+        self._release()
+
+    def teardown(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
+        self._release()
+
+    def _release(self) -> None:
+        if self._grapher is not None:
+            self._grapher.release()
+
+    # report and state ----------------------------------------------------------------------------
+    def report(self) -> List[Dict[str, Any]]:
+        """Per module: status, captured signatures (replays, capture time, pool bytes), eager calls by reason."""
+        return self._grapher.report() if self._grapher is not None else []
+
+    def format_report(self) -> str:
+        """The capture report as a text table."""
+        backend = self._grapher.backend.name if self._grapher is not None else "-"
+        return format_report(self.report(), mode=self.config.mode, backend=backend)
+
+    def state_dict(self) -> Dict[str, Any]:
+        return {"fits_captured": self._fits_captured}
+
+    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
+        self._fits_captured = state_dict.get("fits_captured", 0)

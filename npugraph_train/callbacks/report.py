@@ -1,0 +1,30 @@
+"""The capture report as text: one block per module, one line per captured signature."""
+from __future__ import annotations
+
+from typing import Any, Dict, List, Optional
+
+
+def _bytes(n: Optional[int]) -> str:
+    if n is None:
+        return "n/a"
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+def format_report(rows: List[Dict[str, Any]], mode: str, backend: str) -> str:
+    """Render :meth:`NPUGraphCallback.report` rows."""
+    lines = [f"npugraph_train capture report (mode={mode}, backend={backend})"]
+    if not rows:
+        lines.append("  no modules graphed")
+    for row in rows:
+        eager = sum(row["eager_calls"].values())
+        lines.append(f"  {row['module']}: {row['status']}; replays {row['replays']}, eager calls {eager}")
+        for sig in row["signatures"]:
+            lines.append(f"    signature {sig['description']}: replays {sig['replays']}, "
+                         f"capture {sig['capture_seconds'] * 1e3:.1f} ms, pool {_bytes(sig['pool_bytes'])}")
+        for reason, count in row["eager_calls"].items():
+            lines.append(f"    eager x{count}: {reason}")
+    return "\n".join(lines)

@@ -1,0 +1,140 @@
+"""Submodule mode: record the real inputs of chosen submodules during one step, then graph them together."""
+from __future__ import annotations
+
+import fnmatch
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+import torch.nn as nn
+from lightning.pytorch.utilities import rank_zero_warn
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
+from torch.utils._pytree import tree_map
+
+from ..config import NPUGraphConfig
+from ..graphed import GraphCaptureError, graph_safe_modules, graphed_state, make_graphed_callables, ungraph
+from ..graphed.backends import Backend
+from ..graphed.marker import GraphSafeOptions, merge_options
+
+
+def select_modules(model: nn.Module, config: NPUGraphConfig) -> List[Tuple[str, nn.Module]]:
+    """Marked submodules plus those matching ``config.modules``, outermost only, in model order."""
+    named = dict(model.named_modules())
+    chosen = set() if config.modules_only else {name for name, _ in graph_safe_modules(model)}
+    for pattern in config.modules:
+        matches = [name for name in named if name and fnmatch.fnmatchcase(name, pattern)]
+        if not matches:
+            examples = ", ".join(list(n for n in named if n)[:8])
+            raise MisconfigurationException(
+                f"NPUGraphCallback: modules pattern {pattern!r} matches no submodule of "
+                f"{type(model).__name__} (names look like: {examples}); fix or remove the pattern")
+        chosen.update(matches)
+    if "" in chosen:
+        raise MisconfigurationException(
+            f"NPUGraphCallback: the LightningModule {type(model).__name__} itself is marked @graph_safe; mark "
+            "its submodules instead (the whole training step is mode='whole_step')")
+    outermost: List[str] = []
+    for name in named:
+        if name in chosen and not any(name.startswith(outer + ".") for outer in outermost):
+            outermost.append(name)
+    return [(name, named[name]) for name in outermost]
+
+
+def _sample(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.detach().clone().requires_grad_(value.requires_grad)
+    return value
+
+
+class SubmoduleGrapher:
+    """Graphs a LightningModule's chosen submodules: record inputs, capture all in one pool, release."""
+
+    def __init__(self, config: NPUGraphConfig, backend: Backend) -> None:
+        self.config = config
+        self.backend = backend
+        self.modules: List[Tuple[str, nn.Module]] = []
+        self.status: Dict[str, str] = {}
+        self._samples: Dict[str, Tuple[tuple, dict]] = {}
+        self._order: List[str] = []
+        self._hooks: List[Any] = []
+        self._last_report: List[Dict[str, Any]] = []
+
+    def setup(self, model: nn.Module) -> None:
+        self.modules = select_modules(model, self.config)
+        self.status = {name: "not captured yet" for name, _ in self.modules}
+        if not self.modules:
+            rank_zero_warn("NPUGraphCallback: no @graph_safe submodules and no `modules` patterns; training runs "
+                           "eager. Mark capture-safe submodules with @npugraph_train.graph_safe.")
+
+    # recording -----------------------------------------------------------------------------------
+    def start_recording(self) -> None:
+        self._samples, self._order = {}, []
+        for name, module in self.modules:
+            def record(mod: nn.Module, args: tuple, kwargs: dict, name: str = name) -> None:
+                if name not in self._samples:  # later calls in the step are not captured (they run eager)
+                    self._samples[name] = tree_map(_sample, (args, kwargs))
+                    self._order.append(name)
+            self._hooks.append(module.register_forward_pre_hook(record, with_kwargs=True))
+
+    def stop_recording(self) -> None:
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []
+
+    # capture -------------------------------------------------------------------------------------
+    def capture(self, forward_context: Any) -> None:
+        """Capture every recorded module, in call order, into one pool, under ``forward_context``."""
+        modules = dict(self.modules)
+        for name in modules:
+            if name not in self._samples:
+                self._fail(name, "not called during the recording step (runs eager)")
+        pending = [name for name in self._order]
+        while pending:
+            opts = [merge_options(GraphSafeOptions(self.config.max_signatures, self.config.num_warmup_iters, False),
+                                  modules[name]) for name in pending]
+            try:
+                with torch.enable_grad(), forward_context:
+                    make_graphed_callables(
+                        tuple(modules[name] for name in pending),
+                        tuple(self._samples[name][0] for name in pending),
+                        num_warmup_iters=max(o.num_warmup_iters for o in opts),
+                        allow_unused_input=any(o.allow_unused_input for o in opts),
+                        sample_kwargs=tuple(self._samples[name][1] for name in pending),
+                        max_signatures=[o.max_signatures for o in opts],
+                        names=pending, capture_error_mode=self.config.capture_error_mode, backend=self.backend)
+            except GraphCaptureError as exc:
+                if self.config.on_failure == "raise" or exc.module_name not in pending:
+                    raise
+                pending.remove(exc.module_name)
+                self._fail(exc.module_name, f"capture failed, runs eager: {exc}")
+                continue
+            for name in pending:
+                self.status[name] = "graphed"
+            break
+        self._samples = {}
+
+    def _fail(self, name: str, why: str) -> None:
+        self.status[name] = why
+        rank_zero_warn(f"NPUGraphCallback: {name} {why}")
+
+    def release(self) -> None:
+        """Restore the original forwards; keep the final counters for :meth:`report`."""
+        self.stop_recording()
+        if any(graphed_state(module) is not None for _, module in self.modules):
+            self._last_report = self.report()
+        for _, module in self.modules:
+            ungraph(module)
+
+    # report --------------------------------------------------------------------------------------
+    def report(self) -> List[Dict[str, Any]]:
+        rows = []
+        for name, module in self.modules:
+            state = graphed_state(module)
+            if state is None:
+                previous = next((r for r in self._last_report if r["module"] == name), None)
+                rows.append(previous or {"module": name, "status": self.status.get(name, ""), "signatures": [],
+                                         "replays": 0, "eager_calls": {}})
+                continue
+            data = state.report()
+            rows.append({"module": name, "status": self.status[name], "signatures": data["signatures"],
+                         "replays": data["replays"], "eager_calls": data["eager_calls"]})
+        return rows

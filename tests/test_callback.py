@@ -1,0 +1,238 @@
+import warnings
+
+import pytest
+import torch
+import torch.nn as nn
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
+from omegaconf import OmegaConf
+
+import npugraph_train as ngt
+from npugraph_train import NPUGraphCallback, NPUGraphConfig
+
+from .lightning_models import Block, Regressor, fit, loaders, trainer
+
+
+def _same_params(a, b):
+    sa, sb = a.state_dict(), b.state_dict()
+    return list(sa) == list(sb) and all(torch.equal(sa[k], sb[k]) for k in sa)
+
+
+def _graphed_forwards(model):
+    return [name for name, m in model.named_modules() if "forward" in m.__dict__]
+
+
+@pytest.mark.parametrize("model_kwargs", [{}, {"dropout": 0.2, "depth": 3}])
+def test_parity_with_plain_lightning(model_kwargs):
+    eager, _ = fit(model_kwargs)
+    callback = NPUGraphCallback(warmup_steps=3)
+    graphed, t = fit(model_kwargs, callbacks=[callback])
+    assert t.global_step == 36
+    assert _same_params(eager, graphed)
+    rows = callback.report()
+    assert [r["module"] for r in rows] == [f"blocks.{i}" for i in range(model_kwargs.get("depth", 2))]
+    for row in rows:
+        assert row["status"] == "graphed"
+        # 36 steps: 3 warmup, 29 replays, 4 short last batches (70 = 8 * 8 + 6) run eager
+        assert row["replays"] == 29
+        reasons = row["eager_calls"]
+        assert sum(n for r, n in reasons.items() if "6, 8" in r) == 4
+        assert sum(n for r, n in reasons.items() if "train/eval" in r) > 0  # validation every 5 steps
+    assert _graphed_forwards(graphed) == [], "original forwards are restored at the end of fit"
+    text = callback.format_report()
+    assert "blocks.0: graphed; replays 29" in text and "float32[6, 8]" in text
+
+
+def test_bf16_autocast_parity():
+    eager, _ = fit(precision="bf16-mixed", max_steps=12)
+    callback = NPUGraphCallback(warmup_steps=2)
+    graphed, _ = fit(callbacks=[callback], precision="bf16-mixed", max_steps=12)
+    assert _same_params(eager, graphed)
+    assert "autocast bfloat16" in callback.report()[0]["signatures"][0]["description"]
+    assert callback.report()[0]["replays"] == 10 - 1  # one short batch
+
+
+def test_second_fit_recaptures():
+    callback = NPUGraphCallback(warmup_steps=2)
+    torch.manual_seed(0)
+    graphed, reference = Regressor(), None
+    torch.manual_seed(0)
+    reference = Regressor()
+    train, val = loaders()
+    for max_steps in (10, 20):
+        trainer([callback], max_steps=max_steps).fit(graphed, train, val)
+        assert callback.report()[0]["replays"] > 0
+        trainer([], max_steps=max_steps).fit(reference, train, val)
+    assert _same_params(reference, graphed)
+
+
+def test_checkpoint_resume_equals_uninterrupted(tmp_path):
+    # Checkpoints at epoch ends (validation at epoch end too), so that a resumed run sees the same batches.
+    every_epoch = dict(val_check_interval=1.0, enable_checkpointing=True, default_root_dir=tmp_path / "eager")
+    eager, _ = fit(max_steps=36, **every_epoch)
+    checkpoints = ModelCheckpoint(dirpath=tmp_path, save_top_k=-1, every_n_epochs=1, filename="{epoch}")
+    uninterrupted, _ = fit(callbacks=[NPUGraphCallback(), checkpoints], max_steps=36, **every_epoch)
+    assert _same_params(eager, uninterrupted)
+    saved = torch.load(tmp_path / "epoch=1.ckpt", weights_only=False)
+    assert list(saved["state_dict"]) == list(eager.state_dict()), "graphing leaves state_dict keys unchanged"
+
+    torch.manual_seed(0)
+    resumed = Regressor()
+    callback = NPUGraphCallback()
+    train, val = loaders()
+    trainer([callback], max_steps=36, val_check_interval=1.0).fit(resumed, train, val,
+                                                                  ckpt_path=tmp_path / "epoch=1.ckpt")
+    # 18 resumed steps: 3 warmup, 15 replays minus the 2 short last batches
+    assert callback.report()[0]["replays"] == 13, "the resumed run captures again after its warmup steps"
+    assert _same_params(uninterrupted, resumed)
+
+
+def test_exception_restores_forwards():
+    class Exploding(Regressor):
+        def training_step(self, batch, batch_idx):
+            if self.global_step == 6:
+                raise RuntimeError("boom")
+            return super().training_step(batch, batch_idx)
+
+    torch.manual_seed(0)
+    model = Exploding()
+    callback = NPUGraphCallback(warmup_steps=2)
+    train, val = loaders()
+    with pytest.raises(RuntimeError, match="boom"):
+        trainer([callback]).fit(model, train, val)
+    assert _graphed_forwards(model) == []
+    assert callback.report()[0]["replays"] == 4  # steps 2-5; step 6 raised before its forward
+
+
+@ngt.graph_safe
+class HostSync(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x):
+        scale = 2.0 if x.mean().item() > 0 else 1.0  # a host read: not capture-safe
+        return self.lin(x) * scale
+
+
+class WithHostSync(Regressor):
+    def __init__(self):
+        super().__init__()
+        self.sync = HostSync()
+
+    def forward(self, x):
+        return self.head(self.sync(self.blocks[1](self.blocks[0](self.embed(x)))))
+
+
+def test_on_failure_raise_stops_with_capture_error():
+    torch.manual_seed(0)
+    model = WithHostSync()
+    train, val = loaders()
+    with pytest.raises(ngt.GraphCaptureError, match=r"capturing sync failed.*_local_scalar_dense.*x\.mean\(\)\.item\(\)"):
+        trainer([NPUGraphCallback(warmup_steps=2)]).fit(model, train, val)
+    assert _graphed_forwards(model) == []
+
+
+def test_on_failure_eager_leaves_that_module_eager():
+    torch.manual_seed(0)
+    eager = WithHostSync()
+    train, val = loaders()
+    trainer([], max_steps=12).fit(eager, train, val)
+
+    torch.manual_seed(0)
+    model = WithHostSync()
+    callback = NPUGraphCallback(warmup_steps=2, on_failure="eager")
+    with pytest.warns(UserWarning, match="sync capture failed, runs eager"):
+        trainer([callback], max_steps=12).fit(model, train, val)
+    status = {row["module"]: row for row in callback.report()}
+    assert status["blocks.0"]["status"] == "graphed" and status["blocks.0"]["replays"] == 9
+    assert status["sync"]["status"].startswith("capture failed") and status["sync"]["replays"] == 0
+    assert _same_params(eager, model)
+
+
+def test_eager_fallback_in_training_warns_once():
+    callback = NPUGraphCallback(warmup_steps=2)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fit(callbacks=[callback], max_steps=20)
+    fallbacks = [w for w in caught if "ran eager" in str(w.message)]
+    assert len(fallbacks) == 2  # once per module, for the first short batch
+    assert "float32[6, 8]" in str(fallbacks[0].message)
+
+
+class TestModuleSelection:
+    def test_patterns_add_unmarked_modules(self):
+        callback = NPUGraphCallback(modules=["head"], warmup_steps=2)
+        fit(callbacks=[callback], max_steps=6)
+        assert [r["module"] for r in callback.report()] == ["blocks.0", "blocks.1", "head"]
+        assert all(r["replays"] == 4 for r in callback.report())
+
+    def test_modules_only_with_glob(self):
+        callback = NPUGraphCallback(modules=["blocks.*.lin"], modules_only=True, warmup_steps=2)
+        eager, _ = fit(max_steps=8)
+        graphed, _ = fit(callbacks=[callback], max_steps=8)
+        assert [r["module"] for r in callback.report()] == ["blocks.0.lin", "blocks.1.lin"]
+        assert _same_params(eager, graphed)
+
+    def test_pattern_matching_nothing_is_an_error(self):
+        with pytest.raises(MisconfigurationException, match=r"'decoder\.\*' matches no submodule.*embed"):
+            fit(callbacks=[NPUGraphCallback(modules=["decoder.*"])], max_steps=2)
+
+    def test_no_modules_warns(self):
+        with pytest.warns(UserWarning, match="no @graph_safe submodules"):
+            fit(callbacks=[NPUGraphCallback(modules_only=True)], max_steps=2)
+
+
+def test_mode_off_warns_and_trains_eager():
+    eager, _ = fit(max_steps=6)
+    with pytest.warns(UserWarning, match="graph capture is off"):
+        graphed, _ = fit(callbacks=[NPUGraphCallback(mode="off")], max_steps=6)
+    assert _same_params(eager, graphed)
+
+
+class TestConfig:
+    @pytest.mark.parametrize("kwargs, message", [
+        ({"mode": "full"}, "mode='full' is not valid; choose one of: off, submodules, whole_step"),
+        ({"backend": "tpu"}, "backend='tpu' is not valid; choose one of: auto, npu, cuda, emulate"),
+        ({"on_failure": "skip"}, "on_failure='skip' is not valid; choose one of: raise, eager"),
+        ({"capture_error_mode": "strict"}, "choose one of: global, thread_local, relaxed"),
+        ({"warmup_steps": 0}, "warmup_steps=0 is not valid; expected an integer >= 1"),
+        ({"max_signatures": 2.5}, "max_signatures=2.5 is not valid"),
+        ({"modules": "blocks.*"}, "modules must be a list"),
+    ])
+    def test_bad_values(self, kwargs, message):
+        with pytest.raises(MisconfigurationException, match=message.replace("(", r"\(").replace(")", r"\)")):
+            NPUGraphCallback(**kwargs)
+
+    def test_whole_step_not_yet(self):
+        with pytest.raises(MisconfigurationException, match="whole_step.*not available yet.*submodules"):
+            NPUGraphCallback(mode="whole_step")
+
+    def test_from_config_rejects_unknown_keys_and_types(self):
+        with pytest.raises(MisconfigurationException, match="warmup_step.*Valid keys: mode, warmup_steps"):
+            NPUGraphCallback.from_config({"warmup_step": 3})
+        with pytest.raises(MisconfigurationException, match="warmup_steps"):
+            NPUGraphCallback.from_config(OmegaConf.create({"warmup_steps": "three"}))
+
+    def test_from_config_dataclass_dict_and_dictconfig(self):
+        structured = OmegaConf.structured(NPUGraphConfig(modules=["blocks.*"], max_signatures=2))
+        for cfg in (NPUGraphConfig(modules=["blocks.*"], max_signatures=2), structured,
+                    {"modules": ["blocks.*"], "max_signatures": 2}):
+            callback = NPUGraphCallback.from_config(cfg)
+            assert callback.config.modules == ["blocks.*"] and callback.config.max_signatures == 2
+
+    def test_hydra_instantiate(self):
+        from hydra.utils import instantiate
+
+        node = OmegaConf.create({"_target_": "npugraph_train.NPUGraphCallback", "modules": ["head"],
+                                 "warmup_steps": 2, "on_failure": "eager"})
+        callback = instantiate(node)
+        assert isinstance(callback, NPUGraphCallback)
+        assert callback.config.modules == ["head"] and type(callback.config.modules) is list
+        assert NPUGraphCallback.from_config(node).config.on_failure == "eager"
+        fit(callbacks=[callback], max_steps=4)
+        assert [r["module"] for r in callback.report()] == ["blocks.0", "blocks.1", "head"]
+
+    def test_two_instances_have_distinct_state_keys(self):
+        a, b = NPUGraphCallback(), NPUGraphCallback(modules=["head"])
+        assert a.state_key != b.state_key
