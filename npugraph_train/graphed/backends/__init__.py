@@ -55,11 +55,15 @@ def _requested() -> tuple:
 
 
 def get_backend(name: Union[str, Backend, None] = None) -> Backend:
-    """The backend named by the argument, else by ``set_backend``, else ``NPUGRAPH_BACKEND``, else auto."""
+    """The backend named by the argument, else by ``set_backend``, else ``NPUGRAPH_BACKEND``, else auto.
+
+    ``"auto"`` as the argument means the same as None, so that a config's default of ``auto`` still
+    lets ``NPUGRAPH_BACKEND`` decide.
+    """
     if isinstance(name, Backend):
         return name
     source = "argument"
-    if name is None:
+    if name is None or name == "auto":  # an explicit "auto" still honours set_backend / NPUGRAPH_BACKEND
         name, source = _requested()
     _check_name(name, source)
     if name == "auto":
