@@ -7,6 +7,7 @@ parameters are bitwise equal to an eager run with the same seed and data. Config
     python examples/train.py
     python examples/train.py trainer.max_steps=100 model.depth=8 model.width=256 data.batch_size=64
     python examples/train.py graph.warmup_steps=5 graph.max_signatures=2   # also graph the short last batch
+    python examples/train.py graph.mode=whole_step                          # one graph for the whole step
     python examples/train.py graph.mode=off                                 # one eager fit only
     python examples/train.py trainer.precision=bf16-mixed compare_eager=false
     NPUGRAPH_BACKEND=emulate python examples/train.py                       # or graph.backend=emulate
@@ -33,6 +34,7 @@ from torch.utils.data import DataLoader, TensorDataset
 import npugraph_train as ngt
 from npugraph_train.graphed import get_backend, synchronize
 from npugraph_train.graphed.backends import Backend
+from npugraph_train.optim import make_capturable
 
 # Lightning's accelerator name for each graph backend.
 ACCELERATORS = {"npu": "npu", "cuda": "gpu", "emulate": "cpu"}
@@ -74,8 +76,9 @@ class TinyTransformer(pl.LightningModule):
     """Sequence classifier: linear embedding + positions, ``depth`` blocks, mean pool, linear head."""
 
     def __init__(self, in_features: int, seq: int, width: int, depth: int, heads: int, mlp_ratio: int,
-                 num_classes: int, dropout: float, lr: float) -> None:
+                 num_classes: int, dropout: float, lr: float, capturable_optimizer: bool = False) -> None:
         super().__init__()
+        self.capturable_optimizer = capturable_optimizer
         self.embed = nn.Linear(in_features, width)
         self.pos = nn.Parameter(0.02 * torch.randn(seq, width))
         self.blocks = nn.ModuleList([Block(width, heads, mlp_ratio, dropout) for _ in range(depth)])
@@ -100,7 +103,10 @@ class TinyTransformer(pl.LightningModule):
         self.log("val_loss", F.cross_entropy(self(x), y))
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.AdamW(self.parameters(), lr=self.lr)
+        optimizer = torch.optim.AdamW(self.parameters(), lr=self.lr, foreach=True)
+        # Whole-step graphs need a capture-safe optimizer (the callback would convert it); the eager
+        # comparison uses the same one, so that both fits do the same arithmetic.
+        return make_capturable(optimizer) if self.capturable_optimizer else optimizer
 
 
 # data ----------------------------------------------------------------------------------------------
@@ -164,7 +170,7 @@ def fit(cfg: DictConfig, backend: Backend, data: Tuple[TensorDataset, TensorData
         graph_callback: Optional[ngt.NPUGraphCallback]) -> Tuple[TinyTransformer, StepTimer, pl.Trainer]:
     """One fit from the configured seed; eager when ``graph_callback`` is None."""
     pl.seed_everything(cfg.trainer.seed, verbose=False)
-    model = TinyTransformer(seq=cfg.data.seq, **cfg.model)
+    model = TinyTransformer(seq=cfg.data.seq, capturable_optimizer=cfg.graph.mode == "whole_step", **cfg.model)
     # Both fits skip the same steps: warmup and capture (eager ones on the eager fit), so they compare alike.
     timer = StepTimer(backend, skip_steps=cfg.graph.warmup_steps + 1)
     callbacks: List[Callback] = [timer] + ([graph_callback] if graph_callback is not None else [])

@@ -43,6 +43,8 @@ class NPUGraphConfig:
         max_signatures: graphs per module, one per input signature (e.g. a short last batch).
         capture_error_mode: ``thread_local`` (default: a DataLoader's pin-memory thread cannot invalidate
             the capture), ``global`` or ``relaxed``.
+        convert_optimizers: in ``whole_step`` mode, make the optimizer capture-safe with
+            :func:`npugraph_train.optim.make_capturable` (else refuse one that is not, with instructions).
         log_report: log the capture report at the end of each fit (rank zero).
     """
 
@@ -55,6 +57,7 @@ class NPUGraphConfig:
     on_failure: str = "raise"
     max_signatures: int = 1
     capture_error_mode: str = "thread_local"
+    convert_optimizers: bool = True
     log_report: bool = True
 
     def __post_init__(self) -> None:
@@ -76,7 +79,7 @@ class NPUGraphConfig:
             if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
                 raise MisconfigurationException(
                     f"NPUGraphConfig.{name}={value!r} is not valid; expected an integer >= {minimum}")
-        for name in ("modules_only", "log_report"):
+        for name in ("modules_only", "convert_optimizers", "log_report"):
             if not isinstance(getattr(self, name), bool):
                 raise MisconfigurationException(
                     f"NPUGraphConfig.{name}={getattr(self, name)!r} is not valid; expected true or false")

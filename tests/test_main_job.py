@@ -40,6 +40,14 @@ def test_graphed_and_eager_fit(tmp_path):
     assert not any((tmp_path / "cwd").iterdir()), "the job wrote into its working directory"
 
 
+def test_whole_step_fit(tmp_path):
+    result = run_job(tmp_path, *SMALL, "graph.mode=whole_step")
+    assert result.returncode == 0, result.stderr
+    assert "capture report (mode=whole_step, backend=emulate)" in result.stdout
+    assert "training_step: graphed; replays 8, eager calls 1" in result.stdout  # 200 = 6 * 32 + 8
+    assert "parameters bitwise equal to eager: True" in result.stdout
+
+
 def test_mode_off_runs_one_eager_fit(tmp_path):
     result = run_job(tmp_path, *SMALL, "graph.mode=off")
     assert result.returncode == 0, result.stderr
@@ -52,7 +60,6 @@ def test_mode_off_runs_one_eager_fit(tmp_path):
 @pytest.mark.parametrize("override, expected", [
     ("graph.mode=bogus", "choose one of: off, submodules, whole_step"),
     ("graph.warmup_steps=0", "expected an integer >= 1"),
-    ("graph.mode=whole_step", "not available yet"),
     ("+graph.nope=1", "Valid keys: mode, warmup_steps"),
 ])
 def test_config_errors_are_one_line(tmp_path, override, expected):

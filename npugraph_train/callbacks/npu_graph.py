@@ -15,7 +15,14 @@ In ``submodules`` mode, the last warmup step records the real inputs of every ma
 dtypes, requires_grad, keyword arguments, call order); the next step captures their forward and backward
 in that order into one pool, under the precision plugin's autocast. Validation, test and predict run the
 modules eager (eval mode); calls that do not fit a graph run eager and are counted in the report.
-Graphs are dropped and the original forwards restored at the end of fit, on exceptions and at teardown.
+
+In ``whole_step`` mode, the optimizer is made capture-safe at fit start (:mod:`npugraph_train.optim`),
+setups that cannot be captured are refused with what to change, and the first step after warmup
+captures training_step, zero_grad, backward, clipping and optimizer.step as one graph, which every later
+step with a batch of the same structure replays (see :mod:`npugraph_train.callbacks.whole_step`).
+
+Graphs are dropped (and original forwards and loops restored) at the end of fit, on exceptions and at
+teardown; a resumed or second fit captures anew after its own warmup steps.
 """
 from __future__ import annotations
 
@@ -24,12 +31,13 @@ from typing import Any, Dict, List, Mapping, Optional, Union
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
-from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 from ..config import NPUGraphConfig
 from ..graphed import get_backend
+from ..optim import make_capturable
 from .report import format_report
 from .submodules import SubmoduleGrapher
+from .whole_step import WholeStepGrapher
 
 
 class NPUGraphCallback(Callback):
@@ -38,16 +46,14 @@ class NPUGraphCallback(Callback):
     def __init__(self, mode: str = "submodules", warmup_steps: int = 3, modules: Optional[List[str]] = None,
                  modules_only: bool = False, num_warmup_iters: int = 3, backend: str = "auto",
                  on_failure: str = "raise", max_signatures: int = 1, capture_error_mode: str = "thread_local",
-                 log_report: bool = True) -> None:
+                 convert_optimizers: bool = True, log_report: bool = True) -> None:
         self.config = NPUGraphConfig(
             mode=mode, warmup_steps=warmup_steps, modules=[] if modules is None else modules, modules_only=modules_only,
             num_warmup_iters=num_warmup_iters, backend=backend, on_failure=on_failure,
-            max_signatures=max_signatures, capture_error_mode=capture_error_mode, log_report=log_report)
-        if self.config.mode == "whole_step":
-            raise MisconfigurationException(
-                "NPUGraphCallback(mode='whole_step') is not available yet in this version of npugraph_train; "
-                "use mode='submodules' (graph forward and backward of @graph_safe submodules)")
+            max_signatures=max_signatures, capture_error_mode=capture_error_mode,
+            convert_optimizers=convert_optimizers, log_report=log_report)
         self._grapher: Optional[SubmoduleGrapher] = None
+        self._whole: Optional[WholeStepGrapher] = None
         self._step = 0
         self._fits_captured = 0
 
@@ -67,14 +73,30 @@ class NPUGraphCallback(Callback):
         if self.config.mode == "off":
             rank_zero_warn("NPUGraphCallback(mode='off'): graph capture is off; training runs eager")
             return
-        self._grapher = SubmoduleGrapher(self.config, get_backend(self.config.backend))
-        self._grapher.setup(pl_module)
+        backend = get_backend(self.config.backend)
+        if self.config.mode == "whole_step":
+            self._whole = WholeStepGrapher(self.config, backend)
+            self._whole.check_trainer(trainer, pl_module)
+        else:
+            self._grapher = SubmoduleGrapher(self.config, backend)
+            self._grapher.setup(pl_module)
+
+    def on_fit_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        if self._whole is not None:
+            self._whole.prepare_optimizers(trainer)
+            self._whole.install(trainer)
 
     def on_train_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         self._step = 0  # counted within this fit, also after resuming: a resumed run captures anew
+        if self._whole is not None and self.config.convert_optimizers:
+            make_capturable(trainer.optimizers[0])  # again: resuming replaced state tensors after on_fit_start
 
     def on_train_batch_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", batch: Any,
                              batch_idx: int) -> None:
+        if self._whole is not None:
+            # The capture itself happens in the optimization loop, where the batch and closure are.
+            self._whole.active = self._step >= self.config.warmup_steps
+            return
         if self._grapher is None or not self._grapher.modules:
             return
         if self._step == self.config.warmup_steps - 1:
@@ -91,28 +113,33 @@ class NPUGraphCallback(Callback):
 
     def on_train_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         # Before strategy.teardown moves the module: captured graphs hold the device addresses.
-        self._release()
-        if self.config.log_report and self._grapher is not None and self._grapher.modules:
+        self._release(trainer)
+        if self.config.log_report and self.report():
             rank_zero_info(self.format_report())
 
     def on_exception(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", exception: BaseException) -> None:
-        self._release()
+        self._release(trainer)
 
     def teardown(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
-        self._release()
+        self._release(trainer)
 
-    def _release(self) -> None:
+    def _release(self, trainer: "pl.Trainer") -> None:
         if self._grapher is not None:
             self._grapher.release()
+        if self._whole is not None:
+            self._whole.release()
+            self._whole.uninstall(trainer)
 
     # report and state ----------------------------------------------------------------------------
     def report(self) -> List[Dict[str, Any]]:
         """Per module: status, captured signatures (replays, capture time, pool bytes), eager calls by reason."""
-        return self._grapher.report() if self._grapher is not None else []
+        active = self._whole or self._grapher
+        return active.report() if active is not None else []
 
     def format_report(self) -> str:
         """The capture report as a text table."""
-        backend = self._grapher.backend.name if self._grapher is not None else "-"
+        active = self._whole or self._grapher
+        backend = active.backend.name if active is not None else "-"
         return format_report(self.report(), mode=self.config.mode, backend=backend)
 
     def state_dict(self) -> Dict[str, Any]:

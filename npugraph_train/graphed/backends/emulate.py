@@ -17,8 +17,9 @@ What it models, as a device graph behaves:
 - Random ops draw new numbers on every replay, from torch's CPU generator.
 - Ops that make the host wait for device data (``.item()``, ``.tolist()``, ``.numpy()``, ``bool(t)``,
   ``nonzero``, ``torch.equal``, ops with data-dependent output shapes) raise ``GraphCaptureError``
-  naming the op and the user's source line. So does ``torch.tensor(...)``/``as_tensor`` from host data,
-  which on a device is a host-to-device copy that breaks capture.
+  naming the op and the user's source line. So does ``torch.tensor(...)``/``as_tensor`` of host data
+  with at least one dimension, which on a device is a host-to-device copy that breaks capture (0-dim
+  values pass: kernels take such scalars from the host at capture time).
 - Streams: there is a default stream and side streams; capturing on the default stream is refused as on
   NPU and CUDA. One capture at a time per process. Pools are handles that graphs may share.
 
@@ -141,7 +142,8 @@ class _Recorder(TorchDispatchMode):
             raise _capture_error(f"op {func} reads tensor data on the host")
         if torch.Tag.dynamic_output_shape in func.tags:
             raise _capture_error(f"op {func} has an output shape that depends on tensor data")
-        if func in _HOST_DATA_OPS:
+        # 0-dim values are scalars that kernels take from the host at capture, as on a device.
+        if func in _HOST_DATA_OPS and args[0].dim() > 0:
             raise _capture_error(f"op {func} (torch.tensor/as_tensor) copies host data to the device")
         self.graph._before_op(func, args, kwargs)
         out = func(*args, **kwargs)

@@ -1,0 +1,201 @@
+"""``make_capturable``: optimizers whose ``step()`` is safe to capture in a graph, on every backend.
+
+A captured ``step()`` replays device work only: anything computed on the host at capture (a Python-float
+learning rate a scheduler changes, a step count used for bias correction, ``alpha=-lr`` read from a tensor)
+is frozen. torch checks ``capturable`` only on CUDA/XPU; on NPU a non-capturable Adam captures silently and
+trains wrong, so the check here runs on every backend::
+
+    optimizer = make_capturable(torch.optim.AdamW(model.parameters(), lr=1e-3))
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, 10)   # updates the lr tensor in place
+
+What it does, keeping the optimizer object and its state:
+
+- classes with a ``capturable`` option (Adam, AdamW, Adamax, NAdam, RAdam, RMSprop, Rprop, ASGD,
+  Adadelta): ``capturable=True`` and ``foreach=True`` (torch's single-tensor RMSprop and Adadelta read a
+  tensor learning rate on the host even when capturable), step counts moved to the parameters' device;
+- SGD, which has none: a step that multiplies by a device learning rate instead of reading it on the
+  host (same update, possibly different in the last bit from ``alpha=-lr``);
+- every learning rate becomes a 0-dim tensor on the parameters' device, which schedulers ``fill_``;
+- on the CPU emulator, torch's device check for capturable optimizers accepts CPU tensors.
+
+Optimizers that cannot be made capture-safe (torch_npu's ``NpuFused*``, unknown classes) are refused with
+the class name and an alternative.
+"""
+from __future__ import annotations
+
+import contextlib
+import importlib
+import weakref
+from typing import Any, Dict, Iterator, List, Optional, Type
+
+import torch
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
+from torch.optim import (ASGD, SGD, Adadelta, Adam, Adamax, AdamW, NAdam, Optimizer, RAdam, RMSprop, Rprop)
+
+_CAPTURABLE_FLAG = (Adam, AdamW, Adamax, NAdam, RAdam, RMSprop, Rprop, ASGD, Adadelta)
+# Modules whose functional step checks _get_capturable_supported_devices.
+_DEVICE_CHECK_MODULES = ("adam", "adamax", "nadam", "radam", "rmsprop", "rprop", "asgd", "adadelta")
+
+
+def _unwrap(optimizer: Any) -> Optimizer:
+    return getattr(optimizer, "_optimizer", optimizer)  # LightningOptimizer
+
+
+def _params(optimizer: Optimizer) -> List[torch.Tensor]:
+    return [p for group in optimizer.param_groups for p in group["params"]]
+
+
+@contextlib.contextmanager
+def _accept_cpu() -> Iterator[None]:
+    """Let torch's capturable code paths run on CPU tensors (the emulator's device)."""
+    modules = [importlib.import_module(f"torch.optim.{name}") for name in _DEVICE_CHECK_MODULES]
+    originals = [m._get_capturable_supported_devices for m in modules]
+
+    def with_cpu(original: Any) -> Any:
+        return lambda *args, **kwargs: original(*args, **kwargs) + ["cpu"]
+
+    for module, original in zip(modules, originals):
+        module._get_capturable_supported_devices = with_cpu(original)
+    try:
+        yield
+    finally:
+        for module, original in zip(modules, originals):
+            module._get_capturable_supported_devices = original
+
+
+class CapturableOptimizer:
+    """Mixin of the classes :func:`make_capturable` gives optimizers; ``isinstance`` tells converted ones."""
+
+    def step(self, closure: Any = None) -> Any:
+        params = _params(self)  # type: ignore[arg-type]
+        if params and params[0].device.type == "cpu":
+            with _accept_cpu():
+                return super().step(closure)  # type: ignore[misc]
+        return super().step(closure)  # type: ignore[misc]
+
+
+class CapturableSGD(SGD):
+    """SGD whose update reads the learning rate on the device (torch's uses ``alpha=-lr``, a host read)."""
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> Any:
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            params = [p for p in group["params"] if p.grad is not None]
+            if not params:
+                continue
+            grads = [p.grad for p in params]
+            if group["maximize"]:
+                grads = torch._foreach_neg(grads)
+            if group["weight_decay"] != 0:
+                grads = torch._foreach_add(grads, params, alpha=group["weight_decay"])
+            momentum = group["momentum"]
+            if momentum != 0:
+                bufs = []
+                for p, g in zip(params, grads):
+                    state = self.state[p]
+                    if state.get("momentum_buffer") is None:
+                        # Created by the first (eager) step; inside a graph this would reset every replay.
+                        state["momentum_buffer"] = g.detach().clone()
+                    else:
+                        state["momentum_buffer"].mul_(momentum).add_(g, alpha=1 - group["dampening"])
+                    bufs.append(state["momentum_buffer"])
+                grads = torch._foreach_add(grads, bufs, alpha=momentum) if group["nesterov"] else bufs
+            torch._foreach_sub_(params, torch._foreach_mul(grads, group["lr"]))
+        return loss
+
+
+_classes: Dict[Type[Optimizer], Type[Optimizer]] = {}
+
+
+def _capturable_class(cls: Type[Optimizer]) -> Type[Optimizer]:
+    base = CapturableSGD if cls is SGD else cls
+    if cls not in _classes:
+        _classes[cls] = type(f"Capturable{cls.__name__}", (CapturableOptimizer, base), {})
+    return _classes[cls]
+
+
+def check_capture_safe(optimizer: Any, tensor_lr_needed: bool) -> None:
+    """Raise ``MisconfigurationException`` unless ``optimizer.step()`` can be captured as it is."""
+    opt = _unwrap(optimizer)
+    name = type(opt).__name__
+    if isinstance(opt, CapturableOptimizer):
+        return
+    _refuse_unsupported(opt)
+    if isinstance(opt, _CAPTURABLE_FLAG) and not all(g.get("capturable") for g in opt.param_groups):
+        raise MisconfigurationException(
+            f"{name} with capturable=False keeps its step count on the host; a captured step() trains wrong "
+            "(silently, on NPU). Pass capturable=True, or use npugraph_train.optim.make_capturable(optimizer)")
+    float_lr = any(not isinstance(g["lr"], torch.Tensor) for g in opt.param_groups)
+    if tensor_lr_needed and (float_lr or isinstance(opt, SGD)):
+        raise MisconfigurationException(
+            f"{name} has a learning rate scheduler but {'a Python-float lr' if float_lr else 'an lr read on the host'}"
+            ", which a captured step() would freeze at its capture-time value. Use "
+            "npugraph_train.optim.make_capturable(optimizer) (the callback's convert_optimizers=True does it)")
+    if any(p.device.type == "cpu" for p in _params(opt)) and isinstance(opt, _CAPTURABLE_FLAG):
+        raise MisconfigurationException(
+            f"{name}(capturable=True) refuses CPU tensors in torch; on the emulator use "
+            "npugraph_train.optim.make_capturable(optimizer)")
+
+
+def _refuse_unsupported(opt: Optimizer) -> None:
+    cls = type(opt)
+    if cls.__module__.startswith("torch_npu"):
+        base = cls.__name__.replace("NpuFused", "")
+        raise MisconfigurationException(
+            f"{cls.__name__} (torch_npu) keeps its step count and bias corrections on the host and flattens "
+            f"parameters on its first step, so it cannot be captured. Use torch.optim.{base}(..., foreach=True) "
+            "with npugraph_train.optim.make_capturable, or mode='submodules' (optimizer stays eager)")
+    if not isinstance(opt, (SGD,) + _CAPTURABLE_FLAG):
+        raise MisconfigurationException(
+            f"{cls.__name__} is not known to be capture-safe: npugraph_train can make SGD, "
+            f"{', '.join(c.__name__ for c in _CAPTURABLE_FLAG)} capturable. Use one of them, or mode='submodules'")
+
+
+def _retarget_scheduler_wrapper(opt: Optimizer) -> None:
+    # An LR scheduler made before the conversion wrapped the old class's step() on the instance (to track
+    # that step() ran before scheduler.step()); keep that tracking, but call the new class's step().
+    if not getattr(opt.__dict__.get("step"), "_wrapped_by_lr_sched", False):
+        return
+    opt_ref = weakref.ref(opt)
+
+    def step(*args: Any, **kwargs: Any) -> Any:
+        target = opt_ref()
+        target._opt_called = True
+        return type(target).step(target, *args, **kwargs)
+
+    step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
+    opt.step = step  # type: ignore[method-assign]
+
+
+def make_capturable(optimizer: Any, device: Optional[torch.device] = None) -> Any:
+    """Make ``optimizer.step()`` safe to capture, in place, keeping its state; returns the optimizer.
+
+    Calling it again (e.g. after ``load_state_dict`` restored state on another device) moves learning
+    rates and step counts to the parameters' device again.
+    """
+    opt = _unwrap(optimizer)
+    if not isinstance(opt, CapturableOptimizer):
+        _refuse_unsupported(opt)
+        if getattr(opt, "defaults", {}).get("fused"):
+            raise MisconfigurationException(
+                f"{type(opt).__name__}(fused=True): npugraph_train captures the foreach implementation; "
+                "construct it with foreach=True (fused kernels' tensor-lr support differs per device)")
+        opt.__class__ = _capturable_class(type(opt))
+        _retarget_scheduler_wrapper(opt)
+    for group in opt.param_groups:
+        target = device or (group["params"][0].device if group["params"] else torch.device("cpu"))
+        if isinstance(opt, _CAPTURABLE_FLAG):
+            group["capturable"] = True
+            group["foreach"] = True  # the single-tensor paths of some classes still read a tensor lr on the host
+        lr = group["lr"]
+        group["lr"] = (lr.detach().to(target, torch.float32) if isinstance(lr, torch.Tensor)
+                       else torch.tensor(float(lr), dtype=torch.float32, device=target)).reshape(())
+        for p in group["params"]:
+            step = opt.state.get(p, {}).get("step")
+            if isinstance(step, torch.Tensor) and isinstance(opt, _CAPTURABLE_FLAG):
+                opt.state[p]["step"] = step.to(p.device, torch.float32)
+    return optimizer

@@ -1,0 +1,33 @@
+"""Gradient-norm clipping that never reads the norm back to the host, so it can run inside a graph."""
+from __future__ import annotations
+
+from typing import Iterable, Union
+
+import torch
+
+
+@torch.no_grad()
+def clip_grad_norm_(parameters: Union[torch.Tensor, Iterable[torch.Tensor]], max_norm: float,
+                    norm_type: float = 2.0) -> torch.Tensor:
+    """Scale gradients so that their total norm is at most ``max_norm``; returns the norm as a device tensor.
+
+    The same arithmetic as ``torch.nn.utils.clip_grad_norm_`` (bitwise equal results), without its
+    host-side branches: no ``error_if_nonfinite`` check, and no ``torch.tensor(0.)`` when no parameter has
+    a gradient (the result is then an empty sum on the first parameter's device). The scale factor is
+    ``min(1, max_norm / (norm + 1e-6))`` computed on the device, so the same graph serves every step.
+    """
+    params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+    grads = [p.grad for p in params if p.grad is not None]
+    if not grads:
+        device = params[0].device if params else torch.device("cpu")
+        return torch.zeros((), device=device)
+    by_device: dict = {}
+    for g in grads:
+        by_device.setdefault((g.device, g.dtype), []).append(g)
+    first = grads[0].device
+    norms = [n for group in by_device.values() for n in torch._foreach_norm(group, norm_type)]
+    total = torch.linalg.vector_norm(torch.stack([n.to(first) for n in norms]), norm_type)
+    scale = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    for (device, _), group in by_device.items():
+        torch._foreach_mul_(group, scale.to(device))
+    return total

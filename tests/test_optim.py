@@ -1,0 +1,166 @@
+import types
+
+import pytest
+import torch
+import torch.nn as nn
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
+
+import npugraph_train.graphed as ng
+from npugraph_train.optim import CapturableOptimizer, check_capture_safe, clip_grad_norm_, make_capturable
+
+
+def _model():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 1))
+
+
+def _grads(steps):
+    torch.manual_seed(1)
+    return [[torch.randn(8, 6), torch.randn(8), torch.randn(1, 8), torch.randn(1)] for _ in range(steps)]
+
+
+def _set_grads(model, grads):
+    for p, g in zip(model.parameters(), grads):
+        p.grad.copy_(g) if p.grad is not None else setattr(p, "grad", g.clone())
+
+
+OPTIMIZERS = {
+    "AdamW": lambda ps: torch.optim.AdamW(ps, lr=0.01, weight_decay=0.1),
+    "Adam-amsgrad": lambda ps: torch.optim.Adam(ps, lr=0.01, amsgrad=True, foreach=False),
+    "SGD-nesterov": lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9, nesterov=True, weight_decay=0.01),
+    "RMSprop": lambda ps: torch.optim.RMSprop(ps, lr=0.01, momentum=0.5),
+    **{cls.__name__: (lambda cls: lambda ps: cls(ps, lr=0.01))(cls) for cls in (
+        torch.optim.Adamax, torch.optim.NAdam, torch.optim.RAdam, torch.optim.Rprop, torch.optim.ASGD,
+        torch.optim.Adadelta)},
+}
+
+
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+def test_captured_step_replays_like_eager_with_scheduler(name):
+    grads = _grads(12)
+
+    def run(graphed):
+        model = _model()
+        opt = make_capturable(OPTIMIZERS[name](model.parameters()))
+        sched = torch.optim.lr_scheduler.StepLR(opt, 3, 0.5)
+        _set_grads(model, grads[0])
+        opt.step()  # first step eager: creates the optimizer state
+        sched.step()
+        if graphed:
+            g = ng.Graph()
+            with ng.graph(g):
+                opt.step()
+        for step_grads in grads[1:]:
+            _set_grads(model, step_grads)
+            g.replay() if graphed else opt.step()
+            sched.step()
+        return model, opt.param_groups[0]["lr"]
+
+    (eager, eager_lr), (graphed, graphed_lr) = run(False), run(True)
+    for a, b in zip(eager.parameters(), graphed.parameters()):
+        assert torch.equal(a, b)
+    assert torch.equal(eager_lr, graphed_lr) and graphed_lr.item() < OPTIMIZERS[name]([torch.zeros(1)]).defaults[
+        "lr"] / 8, "the scheduler's decay reached the captured step"
+
+
+def test_non_capturable_adam_is_caught_on_the_emulator():
+    model = _model()
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    _set_grads(model, _grads(1)[0])
+    opt.step()
+    with pytest.raises(ng.GraphCaptureError, match="_local_scalar_dense"):
+        with ng.graph(ng.Graph()):
+            opt.step()
+    with pytest.raises(MisconfigurationException, match="Adam with capturable=False"):
+        check_capture_safe(opt, tensor_lr_needed=False)
+
+
+def test_make_capturable_keeps_state_and_object():
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    _set_grads(model, _grads(1)[0])
+    opt.step()
+    buffers = [opt.state[p]["momentum_buffer"] for p in model.parameters()]
+    assert make_capturable(opt) is opt
+    assert isinstance(opt, torch.optim.SGD) and isinstance(opt, CapturableOptimizer)
+    assert [opt.state[p]["momentum_buffer"] for p in model.parameters()] == buffers
+    lr = opt.param_groups[0]["lr"]
+    assert isinstance(lr, torch.Tensor) and lr.dim() == 0 and lr.item() == pytest.approx(0.1)
+    torch.optim.lr_scheduler.StepLR(opt, 1, 0.5).step()
+    assert opt.param_groups[0]["lr"] is lr, "schedulers update the lr tensor in place"
+    assert make_capturable(opt) is opt and opt.param_groups[0]["lr"] is not None  # idempotent
+
+
+def test_adam_state_steps_move_to_parameter_device_and_capturable_flag():
+    model = _model()
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    _set_grads(model, _grads(1)[0])
+    opt.step()
+    make_capturable(opt)
+    assert all(g["capturable"] for g in opt.param_groups)
+    assert all(opt.state[p]["step"].dtype == torch.float32 for p in model.parameters())
+
+
+def test_torch_npu_fused_optimizer_is_refused():
+    NpuFusedAdamW = type("NpuFusedAdamW", (torch.optim.Optimizer,), {"__module__": "torch_npu.optim.npu_fused_adamw"})
+    opt = NpuFusedAdamW(_model().parameters(), {"lr": 0.1})
+    with pytest.raises(MisconfigurationException, match=r"NpuFusedAdamW \(torch_npu\).*torch.optim.AdamW\(\.\.\., "
+                                                        r"foreach=True\)"):
+        make_capturable(opt)
+
+
+def test_unknown_and_fused_optimizers_are_refused():
+    with pytest.raises(MisconfigurationException, match="LBFGS is not known to be capture-safe"):
+        make_capturable(torch.optim.LBFGS(_model().parameters()))
+    with pytest.raises(MisconfigurationException, match="fused=True.*foreach=True"):
+        make_capturable(torch.optim.AdamW(_model().parameters(), fused=True))
+
+
+def test_clip_grad_norm_matches_torch_and_captures():
+    grads = _grads(4)
+
+    def run(clip, graphed):
+        model = _model()
+        _set_grads(model, grads[0])
+        norms = []
+        if graphed:
+            g = ng.Graph()
+            with ng.graph(g):
+                norm = clip(model.parameters(), 1.0)
+        for step_grads in grads:
+            _set_grads(model, [x * 5 for x in step_grads])
+            if graphed:
+                g.replay()
+                norms.append(norm.clone())
+            else:
+                norms.append(clip(model.parameters(), 1.0))
+        return norms, [p.grad for p in model.parameters()]
+
+    torch_norms, torch_grads = run(torch.nn.utils.clip_grad_norm_, False)
+    ours_norms, ours_grads = run(clip_grad_norm_, True)
+    assert all(torch.equal(a, b) for a, b in zip(torch_norms, ours_norms))
+    assert all(torch.equal(a, b) for a, b in zip(torch_grads, ours_grads))
+
+
+def test_whole_step_through_the_npu_double(npu_double):
+    from npugraph_train import NPUGraphCallback
+
+    from .lightning_models import fit
+    from .test_whole_step import Scheduled
+    import tests.lightning_models as models
+
+    original = models.Regressor
+    models.Regressor = Scheduled
+    try:
+        callback = NPUGraphCallback(mode="whole_step", capture_error_mode="relaxed")
+        graphed, _ = fit(callbacks=[callback], max_steps=8)
+        import os
+        os.environ["NPUGRAPH_BACKEND"] = "emulate"
+        eager, _ = fit(max_steps=8)
+    finally:
+        models.Regressor = original
+    assert callback.report()[0]["replays"] == 5
+    calls = [c for c in npu_double if c[0] == "graph"]
+    assert len(calls) == 1 and calls[0][2]["capture_error_mode"] == "relaxed"
+    assert calls[0][2]["auto_dispatch_capture"] is False
+    assert all(torch.equal(a, b) for a, b in zip(eager.state_dict().values(), graphed.state_dict().values()))

@@ -1,0 +1,246 @@
+import pytest
+import torch
+import torch.nn as nn
+from lightning.pytorch import Callback
+from lightning.pytorch.callbacks import BackboneFinetuning, EarlyStopping, ModelCheckpoint
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
+
+import npugraph_train as ngt
+from npugraph_train import NPUGraphCallback
+from npugraph_train.optim import make_capturable
+
+from .lightning_models import Regressor, fit, loaders, trainer
+
+
+class Scheduled(Regressor):
+    """Regressor with a capturable optimizer and a scheduler, so eager and graphed runs do the same math."""
+
+    def __init__(self, optimizer="sgd", schedule="step", convert=True, **kwargs):
+        super().__init__(**kwargs)
+        self.optimizer_kind, self.schedule, self.convert = optimizer, schedule, convert
+
+    def configure_optimizers(self):
+        if self.optimizer_kind == "sgd":
+            opt = torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9, nesterov=True, weight_decay=1e-3)
+        else:
+            opt = torch.optim.AdamW(self.parameters(), lr=0.01, weight_decay=0.01)
+        if self.convert:
+            make_capturable(opt)
+        if self.schedule == "step":
+            return {"optimizer": opt, "lr_scheduler": {"scheduler": torch.optim.lr_scheduler.StepLR(opt, 4, 0.7),
+                                                       "interval": "step"}}
+        return {"optimizer": opt, "lr_scheduler": torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=5)}
+
+
+class Trace(Callback):
+    """Logged metrics, returned losses and learning rates after every step."""
+
+    def __init__(self):
+        self.rows = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.rows.append((trainer.global_step, trainer.callback_metrics["train_loss"].clone(),
+                          outputs["loss"].clone(), float(trainer.optimizers[0].param_groups[0]["lr"])))
+
+
+def _run(model_kwargs, graphed, seed=0, **trainer_kwargs):
+    torch.manual_seed(seed)
+    model = Scheduled(**model_kwargs)
+    trace = Trace()
+    callbacks = [trace] + ([NPUGraphCallback(mode="whole_step", **graphed)] if graphed is not None else [])
+    train, val = loaders()
+    t = trainer(callbacks, **trainer_kwargs)
+    t.fit(model, train, val)
+    return model, trace.rows, t
+
+
+def _same(a, b):
+    sa, sb = a.state_dict(), b.state_dict()
+    return list(sa) == list(sb) and all(torch.equal(sa[k], sb[k]) for k in sa)
+
+
+def _same_trace(a, b):
+    assert len(a) == len(b)
+    for (step_a, log_a, loss_a, lr_a), (step_b, log_b, loss_b, lr_b) in zip(a, b):
+        assert step_a == step_b and lr_a == lr_b
+        assert torch.equal(log_a, log_b) and torch.equal(loss_a, loss_b), step_a
+
+
+@pytest.mark.parametrize("model_kwargs", [
+    {"optimizer": "sgd", "schedule": "step"},
+    {"optimizer": "adamw", "schedule": "cosine", "dropout": 0.1},
+])
+def test_parity_with_plain_lightning(model_kwargs):
+    # 36 steps over 4 epochs of 9 batches (the last one short), clipping, validation every 5 steps
+    eager, eager_trace, _ = _run(model_kwargs, None, gradient_clip_val=0.5)
+    graphed, graphed_trace, t = _run(model_kwargs, {}, gradient_clip_val=0.5)
+    assert t.global_step == 36
+    assert _same(eager, graphed)
+    _same_trace(eager_trace, graphed_trace)
+    assert len({row[1].item() for row in graphed_trace}) > 30, "logged values are refreshed every step"
+    assert torch.equal(t.callback_metrics["val_loss"], t.callback_metrics["val_loss"])
+    report = t.callbacks[-1].report()[0]
+    # 3 warmup steps; 4 short batches run eager; the capture step and 28 more replay
+    assert report["replays"] == 29 and sum(report["eager_calls"].values()) == 4
+    assert all("differs from the captured one" in r for r in report["eager_calls"])
+    assert not isinstance(t.fit_loop.epoch_loop.automatic_optimization,
+                          type(t.callbacks[-1]._whole._loop)), "the original loop is back after fit"
+
+
+def test_callback_converts_plain_optimizer():
+    eager, eager_trace, _ = _run({"convert": True}, None, max_steps=12)
+    graphed, graphed_trace, _ = _run({"convert": False}, {}, max_steps=12)
+    assert _same(eager, graphed)
+    _same_trace(eager_trace, graphed_trace)
+
+
+@pytest.mark.parametrize("steps", [4, 5])
+def test_capture_step_updates_parameters_exactly_once(steps):
+    eager, _, _ = _run({}, None, max_steps=steps, val_check_interval=None, limit_val_batches=0)
+    graphed, _, t = _run({}, {"warmup_steps": 3}, max_steps=steps, val_check_interval=None, limit_val_batches=0)
+    assert t.callbacks[-1].report()[0]["replays"] == steps - 3
+    assert _same(eager, graphed)
+
+
+def test_checkpoint_resume_and_early_stopping(tmp_path):
+    every_epoch = dict(val_check_interval=1.0, max_steps=36)
+    eager, _, _ = _run({}, None, **every_epoch)
+    ckpt = ModelCheckpoint(dirpath=tmp_path, save_top_k=-1, every_n_epochs=1, filename="{epoch}")
+    torch.manual_seed(0)
+    uninterrupted = Scheduled()
+    train, val = loaders()
+    trainer([NPUGraphCallback(mode="whole_step"), ckpt], enable_checkpointing=True, **every_epoch).fit(
+        uninterrupted, train, val)
+    assert _same(eager, uninterrupted)
+
+    torch.manual_seed(0)
+    resumed = Scheduled()
+    callback = NPUGraphCallback(mode="whole_step")
+    t = trainer([callback], **every_epoch)
+    t.fit(resumed, train, val, ckpt_path=tmp_path / "epoch=1.ckpt")
+    assert t.global_step == 36
+    assert callback.report()[0]["replays"] == 13  # 18 steps: 3 warmup, 2 short batches eager
+    assert _same(uninterrupted, resumed)
+
+    def stopped(callbacks):
+        torch.manual_seed(0)
+        model = Scheduled()
+        t = trainer(callbacks + [EarlyStopping("val_loss", patience=0, min_delta=10.0)], max_steps=200)
+        t.fit(model, train, val)
+        return model, t.global_step
+
+    (eager_model, eager_steps), (graphed_model, graphed_steps) = stopped([]), stopped([NPUGraphCallback(
+        mode="whole_step", warmup_steps=2)])
+    assert eager_steps == graphed_steps < 200
+    assert _same(eager_model, graphed_model)
+
+
+def test_host_read_in_training_step_names_the_line():
+    class Reads(Scheduled):
+        def training_step(self, batch, batch_idx):
+            loss = super().training_step(batch, batch_idx)
+            if loss.item() > 100:
+                print("diverging")
+            return loss
+
+    torch.manual_seed(0)
+    with pytest.raises(ngt.GraphCaptureError, match=r"training step failed.*_local_scalar_dense.*loss\.item\(\) > 100"):
+        trainer([NPUGraphCallback(mode="whole_step")], max_steps=6).fit(Reads(), *loaders())
+
+
+def test_closure_hook_overrides_warn():
+    class Hooked(Scheduled):
+        def on_before_optimizer_step(self, optimizer):
+            pass
+
+    with pytest.warns(UserWarning, match="on_before_optimizer_step run inside the captured step"):
+        trainer([NPUGraphCallback(mode="whole_step")], max_steps=5).fit(Hooked(), *loaders())
+
+
+class TestRefusals:
+    def _fit(self, model=None, callback_kwargs=None, **trainer_kwargs):
+        torch.manual_seed(0)
+        callback = NPUGraphCallback(mode="whole_step", **(callback_kwargs or {}))
+        trainer([callback], max_steps=6, **trainer_kwargs).fit(model or Scheduled(), *loaders())
+
+    def test_manual_optimization(self):
+        class Manual(Scheduled):
+            def __init__(self):
+                super().__init__()
+                self.automatic_optimization = False
+
+        with pytest.raises(MisconfigurationException, match="manual optimization.*mode='submodules'"):
+            self._fit(Manual())
+
+    def test_gradient_accumulation(self):
+        with pytest.raises(MisconfigurationException, match="gradient accumulation.*accumulate_grad_batches=1"):
+            self._fit(accumulate_grad_batches=2)
+
+    def test_more_than_one_device(self):
+        t = trainer([], devices=2, strategy="ddp_spawn")
+        with pytest.raises(MisconfigurationException, match="training on 2 devices.*mode='submodules'"):
+            NPUGraphCallback(mode="whole_step").setup(t, Scheduled(), "fit")
+
+    def test_fp16_grad_scaler(self):
+        from lightning.pytorch.plugins.precision import MixedPrecision
+
+        plugin = MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu"))
+        t = trainer([], plugins=[plugin])
+        with pytest.raises(MisconfigurationException, match="GradScaler.*bf16-mixed"):
+            NPUGraphCallback(mode="whole_step").setup(t, Scheduled(), "fit")
+
+    def test_float_lr_with_scheduler_when_not_converting(self):
+        with pytest.raises(MisconfigurationException, match="scheduler but a Python-float lr.*make_capturable"):
+            self._fit(Scheduled(optimizer="sgd", convert=False), {"convert_optimizers": False})
+
+    def test_non_capturable_adam_when_not_converting(self):
+        class Plain(Scheduled):
+            def configure_optimizers(self):
+                return torch.optim.Adam(self.parameters(), lr=0.01)
+
+        with pytest.raises(MisconfigurationException, match="Adam with capturable=False.*capturable=True"):
+            self._fit(Plain(), {"convert_optimizers": False})
+
+    def test_overridden_optimizer_step(self):
+        class OwnStep(Scheduled):
+            def optimizer_step(self, *args, **kwargs):
+                super().optimizer_step(*args, **kwargs)
+
+        with pytest.raises(MisconfigurationException, match="OwnStep.optimizer_step, which is overridden"):
+            self._fit(OwnStep())
+
+    def test_training_step_returning_none(self):
+        class Skips(Scheduled):
+            def training_step(self, batch, batch_idx):
+                super().training_step(batch, batch_idx)
+                return None
+
+        with pytest.raises(MisconfigurationException, match="training_step returned None"):
+            self._fit(Skips())
+
+    def test_logging_python_numbers(self):
+        class LogsFloat(Scheduled):
+            def training_step(self, batch, batch_idx):
+                self.log("lr_float", 0.5)
+                return super().training_step(batch, batch_idx)
+
+        with pytest.raises(MisconfigurationException, match="training_step logs 'lr_float' as a float.*tensor"):
+            self._fit(LogsFloat())
+
+    def test_detect_anomaly(self):
+        with pytest.raises(MisconfigurationException, match="detect_anomaly=True"):
+            self._fit(detect_anomaly=True)
+
+    def test_finetuning_callback(self):
+        t = trainer([BackboneFinetuning(unfreeze_backbone_at_epoch=1)])
+        with pytest.raises(MisconfigurationException, match="BackboneFinetuning, which changes the trained"):
+            NPUGraphCallback(mode="whole_step").setup(t, Scheduled(), "fit")
+
+    def test_cycle_momentum_scheduler(self):
+        class OneCycle(Scheduled):
+            def configure_optimizers(self):
+                opt = torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)
+                return {"optimizer": opt, "lr_scheduler": torch.optim.lr_scheduler.OneCycleLR(opt, 0.1, 100)}
+
+        with pytest.raises(MisconfigurationException, match="OneCycleLR.*cycle_momentum=False"):
+            self._fit(OneCycle())
