@@ -43,6 +43,10 @@ class NPUGraphConfig:
         max_signatures: graphs per module, one per input signature (e.g. a short last batch).
         capture_error_mode: ``thread_local`` (default: a DataLoader's pin-memory thread cannot invalidate
             the capture), ``global`` or ``relaxed``.
+        auto_dispatch_capture: capture ops with a registered handler as updatable (npu, emulate); the
+            LightningModule must define ``npugraph_update_input(batch)`` returning the ``cpu_update_input``
+            for that batch: a list of dicts (for every graph), or in ``submodules`` mode a dict mapping
+            module names to such lists.
         convert_optimizers: in ``whole_step`` mode, make the optimizer capture-safe with
             :func:`npugraph_train.optim.make_capturable` (else refuse one that is not, with instructions).
         log_report: log the capture report at the end of each fit (rank zero).
@@ -57,6 +61,7 @@ class NPUGraphConfig:
     on_failure: str = "raise"
     max_signatures: int = 1
     capture_error_mode: str = "thread_local"
+    auto_dispatch_capture: bool = False
     convert_optimizers: bool = True
     log_report: bool = True
 
@@ -79,7 +84,7 @@ class NPUGraphConfig:
             if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
                 raise MisconfigurationException(
                     f"NPUGraphConfig.{name}={value!r} is not valid; expected an integer >= {minimum}")
-        for name in ("modules_only", "convert_optimizers", "log_report"):
+        for name in ("modules_only", "auto_dispatch_capture", "convert_optimizers", "log_report"):
             if not isinstance(getattr(self, name), bool):
                 raise MisconfigurationException(
                     f"NPUGraphConfig.{name}={getattr(self, name)!r} is not valid; expected true or false")

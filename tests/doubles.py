@@ -37,6 +37,7 @@ def _make_graph_class(log: CallLog, name: str) -> type:
             if capture_error_mode not in ("global", "thread_local", "relaxed"):
                 raise RuntimeError("Unknown capture error mode")
             self.capturing_stream = emulate._current_stream()
+            self._emulated.auto_dispatch_capture = self.auto_dispatch_capture
             self._emulated.capture_begin(pool=pool, capture_error_mode=capture_error_mode)
 
         def capture_end(self) -> None:
@@ -53,6 +54,12 @@ def _make_graph_class(log: CallLog, name: str) -> type:
 
         def pool(self) -> Tuple[int, int]:
             return self._emulated.pool()
+
+        def update(self, cpu_update_input: Any) -> None:
+            log.append(("update", (), {"cpu_update_input": cpu_update_input}))
+            if not self.auto_dispatch_capture:
+                raise RuntimeError("update() requires auto_dispatch_capture=True")
+            self._emulated.update(cpu_update_input)
 
     DoubleGraph.__name__ = name
     return DoubleGraph
@@ -75,6 +82,21 @@ class _GraphContextBase:
     def __exit__(self, *exc: Any) -> None:
         self.graph.capture_end()
         self.stream_ctx.__exit__(*exc)
+
+
+def _make_event_class(log: CallLog) -> type:
+    class DoubleEvent:
+        def __init__(self, enable_timing: bool = False, blocking: bool = False, interprocess: bool = False) -> None:
+            self.stream = None
+
+        def record(self, stream: Any = None) -> None:
+            self.stream = stream if stream is not None else emulate._current_stream()
+            log.append(("event.record", (self.stream,), {}))
+
+        def synchronize(self) -> None:
+            log.append(("event.synchronize", (self.stream,), {}))
+
+    return DoubleEvent
 
 
 def _device_functions(module: types.ModuleType, log: CallLog) -> None:
@@ -112,6 +134,18 @@ def make_torch_npu(log: CallLog) -> types.ModuleType:
     _device_functions(npu, log)
     npu.host_empty_cache = lambda: log.append(("host_empty_cache", (), {}))
     npu.NPUGraph = _make_graph_class(log, "NPUGraph")
+    npu.Event = _make_event_class(log)
+    npu.registered_handlers = {}
+
+    def register_npu_graph_handler(op_names: Any) -> Any:
+        def register(cls: type) -> type:
+            for name in [op_names] if isinstance(op_names, str) else op_names:
+                npu.registered_handlers[name] = cls
+            log.append(("register_npu_graph_handler", (tuple(op_names),), {}))
+            return cls
+        return register
+
+    npu.register_npu_graph_handler = register_npu_graph_handler
 
     class graph(_GraphContextBase):
         def __init__(self, npu_graph: Any, pool: Any = None, stream: Any = None, auto_dispatch_capture: bool = False,

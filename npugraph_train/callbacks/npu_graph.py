@@ -31,8 +31,10 @@ from typing import Any, Dict, List, Mapping, Optional, Union
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 from ..config import NPUGraphConfig
+from .whole_step import UPDATE_HOOK
 from ..graphed import get_backend
 from ..optim import make_capturable
 from .report import format_report
@@ -46,12 +48,14 @@ class NPUGraphCallback(Callback):
     def __init__(self, mode: str = "submodules", warmup_steps: int = 3, modules: Optional[List[str]] = None,
                  modules_only: bool = False, num_warmup_iters: int = 3, backend: str = "auto",
                  on_failure: str = "raise", max_signatures: int = 1, capture_error_mode: str = "thread_local",
-                 convert_optimizers: bool = True, log_report: bool = True) -> None:
+                 auto_dispatch_capture: bool = False, convert_optimizers: bool = True,
+                 log_report: bool = True) -> None:
         self.config = NPUGraphConfig(
             mode=mode, warmup_steps=warmup_steps, modules=[] if modules is None else modules, modules_only=modules_only,
             num_warmup_iters=num_warmup_iters, backend=backend, on_failure=on_failure,
             max_signatures=max_signatures, capture_error_mode=capture_error_mode,
-            convert_optimizers=convert_optimizers, log_report=log_report)
+            auto_dispatch_capture=auto_dispatch_capture, convert_optimizers=convert_optimizers,
+            log_report=log_report)
         self._grapher: Optional[SubmoduleGrapher] = None
         self._whole: Optional[WholeStepGrapher] = None
         self._step = 0
@@ -74,6 +78,11 @@ class NPUGraphCallback(Callback):
             rank_zero_warn("NPUGraphCallback(mode='off'): graph capture is off; training runs eager")
             return
         backend = get_backend(self.config.backend)
+        if self.config.auto_dispatch_capture and not callable(getattr(pl_module, UPDATE_HOOK, None)):
+            raise MisconfigurationException(
+                f"NPUGraphCallback(auto_dispatch_capture=True) needs {type(pl_module).__name__}.{UPDATE_HOOK}"
+                "(self, batch) returning the cpu_update_input of each batch (a list of dicts, one per updatable "
+                "op in capture order, or one dict for all)")
         if self.config.mode == "whole_step":
             self._whole = WholeStepGrapher(self.config, backend)
             self._whole.check_trainer(trainer, pl_module)
@@ -104,6 +113,8 @@ class NPUGraphCallback(Callback):
         elif self._step == self.config.warmup_steps:
             self._grapher.capture(trainer.precision_plugin.forward_context())
             self._fits_captured += 1
+        if self._step >= self.config.warmup_steps and self.config.auto_dispatch_capture:
+            self._grapher.update(getattr(pl_module, UPDATE_HOOK)(batch))
 
     def on_train_batch_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", outputs: Any,
                            batch: Any, batch_idx: int) -> None:

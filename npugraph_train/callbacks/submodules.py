@@ -100,7 +100,8 @@ class SubmoduleGrapher:
                         allow_unused_input=any(o.allow_unused_input for o in opts),
                         sample_kwargs=tuple(self._samples[name][1] for name in pending),
                         max_signatures=[o.max_signatures for o in opts],
-                        names=pending, capture_error_mode=self.config.capture_error_mode, backend=self.backend)
+                        names=pending, capture_error_mode=self.config.capture_error_mode,
+                        auto_dispatch_capture=self.config.auto_dispatch_capture, backend=self.backend)
             except GraphCaptureError as exc:
                 if self.config.on_failure == "raise" or exc.module_name not in pending:
                     raise
@@ -111,6 +112,16 @@ class SubmoduleGrapher:
                 self.status[name] = "graphed"
             break
         self._samples = {}
+
+    def update(self, cpu_update_input: Any) -> None:
+        """Hand each graphed module its update for the coming step (a list for all, or per module name)."""
+        for name, module in self.modules:
+            state = graphed_state(module)
+            if state is None:
+                continue
+            update = cpu_update_input.get(name) if isinstance(cpu_update_input, dict) else cpu_update_input
+            if update is not None:
+                state.update(update)
 
     def _fail(self, name: str, why: str) -> None:
         self.status[name] = why

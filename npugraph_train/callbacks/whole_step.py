@@ -32,6 +32,9 @@ from ..graphed import Graph, GraphCaptureError, graph
 from ..graphed.backends import Backend
 from ..optim import check_capture_safe, clip_grad_norm_, make_capturable
 
+# The LightningModule method that maps a batch to the cpu_update_input of its graphs (auto_dispatch_capture).
+UPDATE_HOOK = "npugraph_update_input"
+
 # Hooks that run inside the captured region: once at capture, never again in Python.
 _CLOSURE_HOOKS = ("on_before_backward", "on_after_backward", "on_before_optimizer_step", "on_before_zero_grad",
                   "optimizer_zero_grad", "backward", "configure_gradient_clipping")
@@ -189,7 +192,8 @@ class WholeStepGrapher:
         started = time.perf_counter()
         try:
             self.backend.synchronize()
-            with graph(self.graph, capture_error_mode=self.config.capture_error_mode):
+            with graph(self.graph, capture_error_mode=self.config.capture_error_mode,
+                       auto_dispatch_capture=self.config.auto_dispatch_capture):
                 result = _AutomaticOptimization.run(loop, optimizer, batch_idx, static_kwargs)
         except GraphCaptureError as exc:
             self.graph = None
@@ -208,13 +212,17 @@ class WholeStepGrapher:
         self.static_grads = [(p, p.grad) for group in _unwrap(optimizer).param_groups for p in group["params"]
                              if p.grad is not None]
         self.status = "graphed"
-        return self.replay_step(loop)  # capture runs no kernels: this replay is the capture step's update
+        # Capture runs no kernels: this replay is the capture step's update.
+        return self.replay_step(loop, batch=kwargs["batch"])
 
     def matches(self, leaves: List[Any], spec: Any) -> bool:
         return spec == self.spec and len(leaves) == len(self.signature) and all(
             _leaf_key(leaf) == key for leaf, key in zip(leaves, self.signature))
 
-    def replay_step(self, loop: "_WholeStepOptimization", leaves: Optional[List[Any]] = None) -> Dict[str, Any]:
+    def replay_step(self, loop: "_WholeStepOptimization", leaves: Optional[List[Any]] = None,
+                    batch: Any = None) -> Dict[str, Any]:
+        if self.config.auto_dispatch_capture:
+            self.graph.update(getattr(loop.trainer.lightning_module, UPDATE_HOOK)(batch))
         if leaves is not None:
             for static, new in zip(self.static_leaves, leaves):
                 if isinstance(static, torch.Tensor) and static.data_ptr() != new.data_ptr():
@@ -276,7 +284,7 @@ class _WholeStepOptimization(_AutomaticOptimization):
             grapher.eager_step(f"batch {tuple(_leaf_key(l)[0] for l in leaves if isinstance(l, torch.Tensor))} "
                                "differs from the captured one")
             return super().run(optimizer, batch_idx, kwargs)
-        result = grapher.replay_step(self, leaves)
+        result = grapher.replay_step(self, leaves, kwargs["batch"])
         progress = self.optim_progress.optimizer
         progress.zero_grad.increment_ready()
         progress.zero_grad.increment_started()

@@ -149,7 +149,8 @@ class _CapturedSignature:
 
     def capture_forward(self) -> None:
         args, kwargs = tree_unflatten(self.leaves, self.spec)
-        with graph(self.fwd_graph, pool=self.pool, capture_error_mode=self.owner.capture_error_mode):
+        with graph(self.fwd_graph, pool=self.pool, capture_error_mode=self.owner.capture_error_mode,
+                   auto_dispatch_capture=self.owner.auto_dispatch_capture):
             outputs = self.owner.call_original(*args, **kwargs)
         flat, self.output_spec = tree_flatten(outputs)
         bad = [type(o).__name__ for o in flat if not isinstance(o, torch.Tensor)]
@@ -165,7 +166,8 @@ class _CapturedSignature:
         inputs = tuple(i for i in self.surface if i.requires_grad)
         grads: Tuple[Optional[torch.Tensor], ...] = ()
         if outputs and inputs:
-            with graph(self.bwd_graph, pool=self.pool, capture_error_mode=self.owner.capture_error_mode):
+            with graph(self.bwd_graph, pool=self.pool, capture_error_mode=self.owner.capture_error_mode,
+                       auto_dispatch_capture=self.owner.auto_dispatch_capture):
                 grads = torch.autograd.grad(outputs, inputs,
                                             grad_outputs=tuple(g for g in self.static_grad_outputs if g is not None),
                                             only_inputs=True, allow_unused=self.owner.allow_unused_input)
@@ -204,6 +206,12 @@ class _CapturedSignature:
 
         return Graphed
 
+    def update(self, cpu_update_input: List[Dict[str, Any]]) -> None:
+        for g in (self.fwd_graph, self.bwd_graph):
+            count = g.backend.update_record_count(g.native) if g.is_captured else 0
+            if count is None or count > 0:
+                g.update(cpu_update_input)
+
     def __call__(self, flat_args: List[Optional[torch.Tensor]]) -> Any:
         out = self.function.apply(*(t for t in flat_args if t is not None), *self.owner.params)
         return tree_unflatten(list(out), self.output_spec)
@@ -216,7 +224,8 @@ class GraphedCallable:
     """
 
     def __init__(self, func: Callable, name: str, backend: Backend, num_warmup_iters: int,
-                 allow_unused_input: bool, max_signatures: int, capture_error_mode: str) -> None:
+                 allow_unused_input: bool, max_signatures: int, capture_error_mode: str,
+                 auto_dispatch_capture: bool = False) -> None:
         self.func = func
         self.name = name
         self.backend = backend
@@ -225,6 +234,8 @@ class GraphedCallable:
         self.allow_unused_input = allow_unused_input
         self.max_signatures = max_signatures
         self.capture_error_mode = capture_error_mode
+        self.auto_dispatch_capture = auto_dispatch_capture
+        self._pending_update: Optional[List[Dict[str, Any]]] = None
         self.is_module = isinstance(func, nn.Module)
         self.params: Tuple[torch.Tensor, ...] = tuple(func.parameters()) if self.is_module else ()
         self.training = func.training if self.is_module else None
@@ -241,6 +252,8 @@ class GraphedCallable:
 
     # calls ---------------------------------------------------------------------------------------
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        # An update is for the one call that follows it, graphed or eager.
+        update, self._pending_update = self._pending_update, None
         if self._released:
             return self.call_original(*args, **kwargs)
         if self.is_module and self.func.training != self.training:
@@ -260,8 +273,22 @@ class GraphedCallable:
         if not sig.pool_order.may_replay(sig.order):
             return self._eager("called again before the backward of an earlier call in the same pool",
                                args, kwargs)
+        if update is not None:
+            sig.update(update)
         self.stats[key].replays += 1
         return sig(flat)
+
+    def update(self, cpu_update_input: List[Dict[str, Any]]) -> None:
+        """New host arguments for the updatable ops of the next call's forward and backward graphs.
+
+        Call it before every call (``make_graphed_callables(..., auto_dispatch_capture=True)``); the list
+        applies to the forward graph's updatable ops in capture order and to the backward graph's
+        likewise (a one-element list to all of them).
+        """
+        if not self.auto_dispatch_capture:
+            raise GraphStateError(f"{self.name}: update() needs make_graphed_callables(..., "
+                                  "auto_dispatch_capture=True)")
+        self._pending_update = list(cpu_update_input)
 
     def _eager(self, reason: str, args: tuple, kwargs: dict) -> Any:
         # Eval-mode calls are eager by design (validation); anything else is worth one warning.
@@ -414,6 +441,7 @@ def make_graphed_callables(
     max_signatures: Union[int, Sequence[int]] = 1,
     names: Optional[Sequence[str]] = None,
     capture_error_mode: str = "global",
+    auto_dispatch_capture: bool = False,
     backend: Union[str, Backend, None] = None,
 ) -> Any:
     """Capture forward and backward of each callable as graphs and return graphed versions.
@@ -430,6 +458,8 @@ def make_graphed_callables(
         max_signatures: graphs per callable, one per input signature (an int, or one per callable).
         names: names used in errors and reports (e.g. qualified module names).
         capture_error_mode: ``"global"``, ``"thread_local"`` or ``"relaxed"``.
+        auto_dispatch_capture: record ops with a registered handler so that their host arguments can be
+            refreshed per call with ``graphed_state(callable).update(cpu_update_input)`` (npu, emulate).
         backend: ``"npu"``, ``"cuda"``, ``"emulate"`` or None for the process default.
 
     Returns:
@@ -455,7 +485,8 @@ def make_graphed_callables(
             raise TypeError(f"{name}: sample_args must be a tuple of tensors (got {type(args).__name__})")
         flat, spec = _flatten_call(args, kwargs)
         _check_callable(func, name, flat, chosen)
-        state = GraphedCallable(func, name, chosen, num_warmup_iters, allow_unused_input, limit, capture_error_mode)
+        state = GraphedCallable(func, name, chosen, num_warmup_iters, allow_unused_input, limit, capture_error_mode,
+                                auto_dispatch_capture)
         sig = _CapturedSignature(state, list(flat), spec, pool, (batch, index))
         key_of[id(sig)] = _signature(spec, flat, chosen)
         sigs.append(sig)

@@ -26,7 +26,7 @@ The same code runs on an Ascend NPU (torch_npu), a CUDA GPU and the CPU emulator
 from __future__ import annotations
 
 import threading
-from typing import Any, ContextManager, Optional, Union
+from typing import Any, ContextManager, Dict, List, Optional, Union
 
 from .backends import CAPTURE_ERROR_MODES, Backend, get_backend
 from .errors import GraphCaptureError, GraphStateError
@@ -52,6 +52,9 @@ class Graph:
         self.backend = get_backend(backend)
         self.native = self.backend.new_graph()
         self._state = _EMPTY
+        self._auto_dispatch = False  # set by graph(..., auto_dispatch_capture=...)
+        self._updated = False
+        self._replay_done: Any = None
 
     # state bookkeeping shared by capture_begin/end and the graph context manager
     def _start_capture(self) -> None:
@@ -67,6 +70,7 @@ class Graph:
                     "into it again, or create a new Graph")
             _active_capture = self
             self._state = _CAPTURING
+            self._updated, self._replay_done = False, None
 
     def _finish_capture(self, ok: bool) -> None:
         global _active_capture
@@ -106,7 +110,34 @@ class Graph:
         if _active_capture is not None:
             raise GraphStateError("replay() while another graph is being captured (a nested replay); "
                                   "replay before or after that capture")
+        if self._auto_dispatch:
+            count = self.backend.update_record_count(self.native)
+            if not self._updated and (count is None or count > 0):
+                raise GraphStateError(
+                    f"replay() of a graph with {'' if count is None else f'{count} '}updatable ops without a "
+                    "preceding update(): its ops wait for an update's event (on NPU the replay would hang). "
+                    "Call update(cpu_update_input) before every replay")
+            self._updated = False
         self.native.replay()
+        if self._auto_dispatch:
+            self._replay_done = self.backend.record_event()
+
+    def update(self, cpu_update_input: List[Dict[str, Any]]) -> None:
+        """Give the captured updatable ops new host arguments for the next replay.
+
+        ``cpu_update_input`` is a list of dicts in capture order, one per updatable op, or a single dict
+        for all of them. The graph must have been captured with ``graph(..., auto_dispatch_capture=True)``.
+        """
+        if self._state != _CAPTURED:
+            raise GraphStateError("update() before a successful capture")
+        if not self._auto_dispatch:
+            raise GraphStateError("update() needs a graph captured with graph(g, auto_dispatch_capture=True)")
+        if self._replay_done is not None:
+            # The previous replay may still run on the device and read the arguments being rewritten.
+            self._replay_done.synchronize()
+            self._replay_done = None
+        self.backend.update(self.native, cpu_update_input)
+        self._updated = True
 
     def reset(self) -> None:
         """Drop the captured graph so that this object can capture again."""
@@ -157,6 +188,7 @@ class graph:
         self._ctx = npu_graph.backend.graph_context(
             npu_graph.native, pool=pool, stream=stream, capture_error_mode=capture_error_mode,
             auto_dispatch_capture=auto_dispatch_capture)
+        npu_graph._auto_dispatch = auto_dispatch_capture
 
     def __enter__(self) -> None:
         self.npu_graph._start_capture()

@@ -2,11 +2,13 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Any, ContextManager, Optional, Tuple
+from typing import Any, ContextManager, Dict, List, Optional, Tuple
 
 import torch
 
 CAPTURE_ERROR_MODES = ("global", "thread_local", "relaxed")
+NO_UPDATE = ("needs torch_npu's graph update mechanism; re-capture one graph per host value, or pass the values "
+             "as device tensors")
 
 
 class Backend(ABC):
@@ -56,6 +58,18 @@ class Backend(ABC):
 
     def pool_bytes(self, native_graph: Any) -> Optional[int]:
         """Bytes the graph's capture allocated, where the backend can tell; None otherwise."""
+        return None
+
+    def update(self, native_graph: Any, cpu_update_input: List[Dict[str, Any]]) -> None:
+        """Rewrite the host arguments of the graph's updatable ops (torch_npu's ``NPUGraph.update``)."""
+        raise NotImplementedError(f"graph update is not available on the {self.name} backend: it {NO_UPDATE}")
+
+    def update_record_count(self, native_graph: Any) -> Optional[int]:
+        """How many updatable ops the capture recorded; None where the backend cannot tell."""
+        return None
+
+    def record_event(self) -> Any:
+        """An event recorded on the current stream (None where work is synchronous)."""
         return None
 
     def autocast_state(self) -> Tuple[bool, torch.dtype]:

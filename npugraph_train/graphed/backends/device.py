@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
-from typing import Any, ContextManager, Optional, Tuple
+from typing import Any, ContextManager, Dict, List, Optional, Tuple
 
 import torch
 
-from .base import Backend
+from .base import NO_UPDATE, Backend
 
 
 class _DeviceModuleBackend(Backend):
@@ -70,9 +70,7 @@ class CUDABackend(_DeviceModuleBackend):
     def graph_context(self, native_graph: Any, *, pool: Any, stream: Any, capture_error_mode: str,
                       auto_dispatch_capture: bool) -> ContextManager:
         if auto_dispatch_capture:
-            raise NotImplementedError(
-                "auto_dispatch_capture=True needs torch_npu's graph update mechanism, which CUDA graphs "
-                "do not have; re-capture one graph per host value, or pass the values as device tensors")
+            raise NotImplementedError(f"auto_dispatch_capture=True on the cuda backend: it {NO_UPDATE}")
         return torch.cuda.graph(cuda_graph=native_graph, pool=pool, stream=stream,
                                 capture_error_mode=capture_error_mode)
 
@@ -99,6 +97,18 @@ class NPUBackend(_DeviceModuleBackend):
         if not torch.npu.is_available():
             return "torch.npu.is_available() is False (no NPU visible to this process)"
         return None
+
+    def __init__(self) -> None:
+        from ..handlers import sync_with_torch_npu
+        sync_with_torch_npu()  # handlers registered before torch_npu was loaded
+
+    def update(self, native_graph: Any, cpu_update_input: List[Dict[str, Any]]) -> None:
+        native_graph.update(cpu_update_input=cpu_update_input)
+
+    def record_event(self) -> Any:
+        event = torch.npu.Event()
+        event.record()
+        return event
 
     def autocast_state(self) -> Tuple[bool, torch.dtype]:
         # torch_npu's own make_graphed_callables asks the device module (privateuse1 autocast protocol).

@@ -20,6 +20,9 @@ What it models, as a device graph behaves:
   naming the op and the user's source line. So does ``torch.tensor(...)``/``as_tensor`` of host data
   with at least one dimension, which on a device is a host-to-device copy that breaks capture (0-dim
   values pass: kernels take such scalars from the host at capture time).
+- With ``auto_dispatch_capture=True``, ops with a registered handler
+  (:mod:`npugraph_train.graphed.handlers`) are recorded with their host arguments, which ``update()``
+  rewrites for the next replays, as torch_npu's NPUGraph update does.
 - Streams: there is a default stream and side streams; capturing on the default stream is refused as on
   NPU and CUDA. One capture at a time per process. Pools are handles that graphs may share.
 
@@ -31,20 +34,24 @@ device kernels. Explicit ``torch.Generator`` objects are not rewound at ``captur
 """
 from __future__ import annotations
 
+import copy
+import functools
 import itertools
 import os
 import sysconfig
 import threading
 import traceback
+import warnings
 from contextlib import contextmanager
-from typing import Any, Callable, ContextManager, Iterator, List, Optional, Tuple
+from typing import Any, Callable, ContextManager, Dict, Iterator, List, Optional, Tuple
 
 import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
-from torch.utils._pytree import tree_flatten
+from torch.utils._pytree import tree_flatten, tree_map
 
 from ..errors import GraphCaptureError
+from ..handlers import DispatchRecord, apply_update, handler_for
 from .base import Backend
 
 _pool_ids = itertools.count(1)
@@ -145,10 +152,13 @@ class _Recorder(TorchDispatchMode):
         # 0-dim values are scalars that kernels take from the host at capture, as on a device.
         if func in _HOST_DATA_OPS and args[0].dim() > 0:
             raise _capture_error(f"op {func} (torch.tensor/as_tensor) copies host data to the device")
-        self.graph._before_op(func, args, kwargs)
-        out = func(*args, **kwargs)
-        self.graph._record(func, args, kwargs, out)
-        return out
+        handler = handler_for(func, args, kwargs) if self.graph.auto_dispatch_capture else None
+        if handler is None:
+            self.graph._before_op(func, args, kwargs)
+            out = func(*args, **kwargs)
+            self.graph._record(func, args, kwargs, out, functools.partial(func, *args, **kwargs))
+            return out
+        return self.graph._record_updatable(func, args, kwargs, handler)
 
 
 def _returns(schema: Any, out: Any) -> tuple:
@@ -163,8 +173,9 @@ class EmulatedGraph:
     """
 
     def __init__(self) -> None:
-        # (op, args, kwargs, indices of fresh returns, the tensors captured as those returns)
-        self._ops: List[Tuple[Any, tuple, dict, List[int], List[torch.Tensor]]] = []
+        # (op, the call that re-runs it, indices of fresh returns, the tensors captured as those returns)
+        self._ops: List[Tuple[Any, Callable[[], Any], List[int], List[torch.Tensor]]] = []
+        self.update_records: List[DispatchRecord] = []
         self._pool: Optional[Tuple[int, int]] = None
         self.captured_bytes = 0
         self.auto_dispatch_capture = False
@@ -177,6 +188,7 @@ class EmulatedGraph:
                 "`with npugraph_train.graphed.stream(s):` or use the `graph(...)` context manager")
         self._pool = pool if pool is not None else (0, next(_pool_ids))
         self._ops = []
+        self.update_records = []
         self.captured_bytes = 0
         self._born: set = set()
         self._saved: dict = {}  # storage key -> (storage, copy of its contents before capture)
@@ -219,7 +231,27 @@ class EmulatedGraph:
                     with _disable_current_modes():
                         self._saved[key] = (storage, storage.clone())
 
-    def _record(self, func: Any, args: tuple, kwargs: dict, out: Any) -> None:
+    def _record_updatable(self, func: Any, args: tuple, kwargs: dict, handler: Any) -> Any:
+        actual, args, kwargs = handler.prepare_capture(func, args, kwargs)
+        # Host values are copied (the caller may change its list later); tensors are the captured ones.
+        host_copy = lambda v: v if isinstance(v, torch.Tensor) else copy.deepcopy(v)  # noqa: E731
+        record = DispatchRecord(func.__name__, actual, tree_map(host_copy, tuple(args)),
+                                tree_map(host_copy, dict(kwargs)), handler)
+        if record.missing:
+            warnings.warn(f"npugraph_train: {func} was captured without {', '.join(sorted(record.missing))} (left "
+                          "at its default, so the op never received it): update() cannot set "
+                          f"{'it' if len(record.missing) == 1 else 'them'}; pass an explicit value when capturing",
+                          RuntimeWarning, stacklevel=3)
+        self._before_op(actual, record.args, record.kwargs)
+        out = record.run()
+        self._record(actual, record.args, record.kwargs, out, record.run)
+        self.update_records.append(record)
+        return handler.postprocess_result(out, record.kwargs)
+
+    def update(self, cpu_update_input: List[Dict[str, Any]]) -> None:
+        apply_update(self.update_records, cpu_update_input)
+
+    def _record(self, func: Any, args: tuple, kwargs: dict, out: Any, call: Callable[[], Any]) -> None:
         schema = func._schema
         writes = func in _UNANNOTATED_WRITES or any(
             a.alias_info is not None and a.alias_info.is_write for a in schema.arguments)
@@ -236,13 +268,13 @@ class EmulatedGraph:
             if key not in self._born:
                 self._born.add(key)
                 self.captured_bytes += t.untyped_storage().nbytes()
-        self._ops.append((func, args, kwargs, fresh, fresh_outs))
+        self._ops.append((func, call, fresh, fresh_outs))
 
     # use -----------------------------------------------------------------------------------------
     def replay(self) -> None:
         with torch.no_grad(), torch.autocast("cpu", enabled=False), _disable_current_modes():
-            for func, args, kwargs, fresh, outs in self._ops:
-                result = func(*args, **kwargs)
+            for func, call, fresh, outs in self._ops:
+                result = call()
                 if outs:
                     returns = _returns(func._schema, result)
                     for dst, src in zip(outs, (t for i in fresh for t in _tensors(returns[i]))):
@@ -250,6 +282,7 @@ class EmulatedGraph:
 
     def reset(self) -> None:
         self._ops = []
+        self.update_records = []
         self._pool = None
         self.captured_bytes = 0
 
@@ -327,3 +360,9 @@ class EmulateBackend(Backend):
 
     def pool_bytes(self, native_graph: Any) -> Optional[int]:
         return native_graph.captured_bytes
+
+    def update_record_count(self, native_graph: Any) -> Optional[int]:
+        return len(native_graph.update_records)
+
+    def update(self, native_graph: Any, cpu_update_input: List[Dict[str, Any]]) -> None:
+        native_graph.update(cpu_update_input)

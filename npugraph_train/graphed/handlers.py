@@ -1,0 +1,156 @@
+"""Updatable ops: handlers that let a captured graph take new host arguments without re-capture.
+
+Some kernels take host values (e.g. the sequence lengths of a fused attention) that are baked into a
+captured graph; copying into device buffers cannot change them. With
+``graph(g, auto_dispatch_capture=True)``, ops that have a registered handler are recorded with their
+host arguments, and ``g.update(cpu_update_input)`` rewrites them before the next replay. The handler
+API has the shape of torch_npu's ``NpuGraphOpHandler`` / ``register_npu_graph_handler``::
+
+    @register_graph_handler(["masked_mean.default"])
+    class MaskedMeanHandler(GraphOpHandler):
+        UPDATE_SPECS = {"masked_mean.default": [("arg", 1, "lengths")]}
+
+    with graph(g, auto_dispatch_capture=True):
+        y = torch.ops.demo.masked_mean(x, [3, 5])
+    g.update([{"lengths": [2, 7]}])
+    g.replay()
+
+On the ``npu`` backend the handler is also registered with torch_npu, whose dispatch mode does the
+recording; the emulator implements the same semantics on the CPU.
+"""
+from __future__ import annotations
+
+import copy
+import sys
+from typing import Any, Callable, ClassVar, Dict, Iterable, List, Optional, Set, Tuple, Type, Union
+
+import torch
+
+UpdateSpec = Tuple[str, Union[int, str], str]  # ("arg", position, key) or ("kwarg", name, key)
+
+_HANDLERS: Dict[str, Type["GraphOpHandler"]] = {}
+
+
+class GraphOpHandler:
+    """Base handler: stateless class methods, as torch_npu calls them.
+
+    ``UPDATE_SPECS`` maps an op name (``OpOverload.__name__``, e.g. ``"my_op.default"``) to the host
+    arguments an update may set: ``("arg", index, key)`` for a positional argument, ``("kwarg", name, key)``
+    for a keyword one. Keyword arguments the op received at capture can also be updated by their name.
+    """
+
+    UPDATE_SPECS: ClassVar[Dict[str, List[UpdateSpec]]] = {}
+
+    @classmethod
+    def prepare_capture(cls, func: Any, args: tuple, kwargs: dict) -> Tuple[Any, tuple, dict]:
+        """The op (e.g. an ``.out`` overload with preallocated outputs) and arguments to capture."""
+        return func, args, kwargs
+
+    @classmethod
+    def postprocess_result(cls, result: Any, kwargs: dict) -> Any:
+        return result
+
+    @classmethod
+    def get_update_specs(cls, op_name: str) -> List[UpdateSpec]:
+        return cls.UPDATE_SPECS.get(op_name, [])
+
+    @classmethod
+    def update_args(cls, record: Any, update_input: Dict[str, Any]) -> None:
+        """Write the update's values into the record's positional and keyword arguments."""
+        args = list(record.args)
+        for kind, where, key in cls.get_update_specs(record.op_name):
+            if key not in update_input:
+                continue
+            if kind == "arg" and isinstance(where, int) and len(args) > where:
+                args[where] = update_input[key]
+            elif kind == "kwarg" and where in record.kwargs:
+                record.kwargs[where] = update_input[key]
+        record.args = tuple(args)
+
+
+def register_graph_handler(op_names: Union[str, Iterable[str]]) -> Callable[[Type[GraphOpHandler]],
+                                                                            Type[GraphOpHandler]]:
+    """Class decorator registering a handler for op names, here and (when loaded) in torch_npu."""
+    names = [op_names] if isinstance(op_names, str) else list(op_names)
+
+    def register(handler: Type[GraphOpHandler]) -> Type[GraphOpHandler]:
+        for name in names:
+            _HANDLERS[name] = handler
+        _register_with_torch_npu(names, handler)
+        return handler
+
+    return register
+
+
+def _register_with_torch_npu(names: List[str], handler: Type[GraphOpHandler]) -> None:
+    # Only if torch_npu is already loaded: registering must not import it (the npu backend calls
+    # sync_with_torch_npu when it starts, for handlers registered before).
+    if "torch_npu" in sys.modules and hasattr(getattr(torch, "npu", None), "register_npu_graph_handler"):
+        torch.npu.register_npu_graph_handler(names)(handler)
+
+
+def sync_with_torch_npu() -> None:
+    """Register every handler with torch_npu (called when the npu backend starts)."""
+    by_handler: Dict[Type[GraphOpHandler], List[str]] = {}
+    for name, handler in _HANDLERS.items():
+        by_handler.setdefault(handler, []).append(name)
+    for handler, names in by_handler.items():
+        _register_with_torch_npu(names, handler)
+
+
+def handler_for(func: Any, args: tuple, kwargs: dict) -> Optional[Type[GraphOpHandler]]:
+    handler = _HANDLERS.get(getattr(func, "__name__", ""))
+    if handler is None:
+        return None
+    should_handle = getattr(handler, "should_handle", None)
+    return handler if should_handle is None or should_handle(func, args, kwargs) else None
+
+
+class DispatchRecord:
+    """One captured updatable op: its (updatable) arguments and the keys an update may set."""
+
+    def __init__(self, op_name: str, func: Any, args: tuple, kwargs: dict, handler: Type[GraphOpHandler]) -> None:
+        self.op_name = op_name
+        self.op_cache_entry = func
+        self.args = args
+        self.kwargs = kwargs
+        self.handler = handler
+        specs = handler.get_update_specs(op_name)
+        self.updatable: Set[str] = set(kwargs) | {
+            key for kind, where, key in specs
+            if (kind == "arg" and isinstance(where, int) and len(args) > where) or (kind == "kwarg" and where in kwargs)}
+        # Values left at their default at capture never reach the op's record (the dispatcher drops them).
+        self.missing: Set[str] = {key for _, _, key in specs} - self.updatable
+
+    def run(self) -> Any:
+        return self.op_cache_entry(*self.args, **self.kwargs)
+
+
+def apply_update(records: List[DispatchRecord], cpu_update_input: List[Dict[str, Any]]) -> None:
+    """torch_npu's ``update`` semantics, with errors where torch_npu silently ignores a key."""
+    if not isinstance(cpu_update_input, (list, tuple)) or not all(isinstance(d, dict) for d in cpu_update_input):
+        raise TypeError("cpu_update_input must be a list of dicts, one per updatable op in capture order "
+                        "(or a single dict in a list, for every op)")
+    if len(cpu_update_input) == 1:
+        inputs = list(cpu_update_input) * len(records)
+        known = set().union(*(r.updatable for r in records)) if records else set()
+        unknown = set(cpu_update_input[0]) - known if records else set()
+    elif len(cpu_update_input) == len(records):
+        inputs = list(cpu_update_input)
+        unknown = set().union(*(set(d) - r.updatable for d, r in zip(inputs, records)))
+    else:
+        raise ValueError(f"cpu_update_input has {len(cpu_update_input)} entries but the graph captured "
+                         f"{len(records)} updatable ops; pass one dict per op in capture order, or one dict for all")
+    if unknown:
+        missing = set().union(*(r.missing for r in records)) & unknown
+        hint = (f"; {', '.join(sorted(missing))} kept its default at capture, so the op never received it: pass "
+                "an explicit value when capturing") if missing else ""
+        raise KeyError(f"update keys {sorted(unknown)} are not updatable in the captured ops "
+                       f"({', '.join(sorted({r.op_name for r in records}))}){hint}")
+    for record, update in zip(records, inputs):
+        # Consumed now, as torch_npu re-issues the op at update time: later changes to a list don't count.
+        update = {k: v if isinstance(v, torch.Tensor) else copy.deepcopy(v) for k, v in update.items()}
+        for key, value in update.items():
+            if key in record.kwargs:
+                record.kwargs[key] = value
+        record.handler.update_args(record, update)

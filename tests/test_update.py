@@ -1,0 +1,241 @@
+"""Updating captured op arguments without re-capture (auto_dispatch_capture / update)."""
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn as nn
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
+
+import npugraph_train.graphed as ng
+from npugraph_train import NPUGraphCallback
+from npugraph_train.graphed.handlers import GraphOpHandler, register_graph_handler
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+import variable_length as example  # noqa: E402  (registers the demo ops and their handler)
+
+
+@torch.library.custom_op("npugraph_test::scaled", mutates_args=())
+def scaled(x: torch.Tensor, *, factor: float = 1.0) -> torch.Tensor:
+    return x * factor
+
+
+@register_graph_handler("scaled.default")
+class ScaledHandler(GraphOpHandler):
+    UPDATE_SPECS = {"scaled.default": [("kwarg", "factor", "factor")]}
+
+
+def masked_mean(x, lengths):
+    return torch.ops.npugraph_demo.masked_mean(x, lengths)
+
+
+def _capture_masked_mean(lengths):
+    x = torch.randn(3, 6, 2)
+    g = ng.Graph()
+    with ng.graph(g, auto_dispatch_capture=True):
+        y = masked_mean(x, lengths)
+    return g, x, y
+
+
+def test_update_changes_host_arguments_on_replay():
+    g, x, y = _capture_masked_mean([6, 6, 6])
+    g.update([{"lengths": [1, 2, 3]}])
+    g.replay()
+    assert torch.equal(y, masked_mean(x, [1, 2, 3]))
+    g.update([{"lengths": [4, 5, 6]}])
+    g.replay()
+    assert torch.equal(y, masked_mean(x, [4, 5, 6]))
+    assert not torch.equal(masked_mean(x, [4, 5, 6]), masked_mean(x, [1, 2, 3]))
+
+
+def test_updates_are_copied_not_aliased():
+    lengths = [6, 6, 6]
+    g, x, y = _capture_masked_mean(lengths)
+    new = [2, 2, 2]
+    g.update([{"lengths": new}])
+    new[0] = 6  # as on NPU, where update() re-issues the op at once, later changes to the list do not count
+    g.replay()
+    assert torch.equal(y, masked_mean(x, [2, 2, 2]))
+
+
+def test_without_auto_dispatch_capture_ops_are_frozen():
+    x = torch.randn(3, 6, 2)
+    g = ng.Graph()
+    with ng.graph(g):
+        y = masked_mean(x, [6, 6, 6])
+    with pytest.raises(ng.GraphStateError, match="auto_dispatch_capture=True"):
+        g.update([{"lengths": [1, 1, 1]}])
+    g.replay()
+    assert torch.equal(y, masked_mean(x, [6, 6, 6]))
+
+
+def test_replay_without_update_is_refused_each_time():
+    g, _, _ = _capture_masked_mean([6, 6, 6])
+    with pytest.raises(ng.GraphStateError, match="1 updatable ops without a preceding update.*hang"):
+        g.replay()
+    g.update([{"lengths": [3, 3, 3]}])
+    g.replay()
+    with pytest.raises(ng.GraphStateError, match="without a preceding update"):
+        g.replay()
+
+
+def test_graph_without_handled_ops_needs_no_update():
+    x = torch.ones(3)
+    g = ng.Graph()
+    with ng.graph(g, auto_dispatch_capture=True):
+        y = x * 2
+    g.replay()
+    assert torch.equal(y, torch.full((3,), 2.0))
+
+
+def test_update_lists_per_record_and_errors():
+    x = torch.randn(2, 4, 3)
+    g = ng.Graph()
+    with ng.graph(g, auto_dispatch_capture=True):
+        a = masked_mean(x, [4, 4])
+        b = masked_mean(x, [4, 4])
+    g.update([{"lengths": [1, 2]}, {"lengths": [3, 4]}])
+    g.replay()
+    assert torch.equal(a, masked_mean(x, [1, 2])) and torch.equal(b, masked_mean(x, [3, 4]))
+    with pytest.raises(ValueError, match="3 entries but the graph captured 2 updatable ops"):
+        g.update([{"lengths": [1, 1]}] * 3)
+    with pytest.raises(KeyError, match="'seq_lens'.*not updatable.*masked_mean.default"):
+        g.update([{"seq_lens": [1, 1]}])
+    with pytest.raises(TypeError, match="list of dicts"):
+        g.update({"lengths": [1, 1]})
+
+
+def test_value_left_at_default_is_reported_at_capture_and_update():
+    x = torch.ones(2)
+    g = ng.Graph()
+    with pytest.warns(RuntimeWarning, match="captured without factor.*update\\(\\) cannot set it"):
+        with ng.graph(g, auto_dispatch_capture=True):
+            scaled(x)
+    with pytest.raises(KeyError, match="factor kept its default at capture"):
+        g.update([{"factor": 2.0}])
+
+    g2 = ng.Graph()
+    with ng.graph(g2, auto_dispatch_capture=True):
+        y = scaled(x, factor=3.0)
+    g2.update([{"factor": 5.0}])
+    g2.replay()
+    assert torch.equal(y, torch.full((2,), 5.0))
+
+
+def test_graphed_callables_with_updates_train_like_eager():
+    graphed_model, graphed_losses = example.train(graphed=True)
+    eager_model, eager_losses = example.train(graphed=False)
+    assert graphed_losses == eager_losses
+    for a, b in zip(graphed_model.parameters(), eager_model.parameters()):
+        assert torch.equal(a, b)
+    assert ng.graphed_state(graphed_model).report()["replays"] == len(graphed_losses)
+
+
+def test_graphed_callable_call_without_update_is_refused():
+    model = example.VarLenRegressor()
+    model.lengths = [10] * 4
+    ng.make_graphed_callables(model, (torch.zeros(4, 10, 8),), auto_dispatch_capture=True)
+    with pytest.raises(ng.GraphStateError, match="without a preceding update"):
+        model(torch.randn(4, 10, 8))
+    with pytest.raises(ng.GraphStateError, match="needs make_graphed_callables.*auto_dispatch_capture=True"):
+        ng.graphed_state(ng.make_graphed_callables(nn.Linear(2, 2), (torch.zeros(1, 2),))).update([{}])
+
+
+def test_cuda_refuses_updates_with_the_alternative(cuda_double):
+    with pytest.raises(NotImplementedError, match="re-capture one graph per host value, or pass the values as "
+                                                  "device tensors"):
+        ng.graph(ng.Graph(), auto_dispatch_capture=True)
+
+
+class TestNPUDouble:
+    def test_update_passes_keywords_in_order_on_the_replay_stream(self, npu_double):
+        x = torch.randn(3, 6, 2)
+        g = ng.Graph()
+        s = ng.new_stream()
+        with ng.graph(g, stream=s, auto_dispatch_capture=True):
+            y = masked_mean(x, [6, 6, 6])
+        graph_call = next(c for c in npu_double if c[0] == "graph")
+        assert graph_call[2]["auto_dispatch_capture"] is True and graph_call[2]["stream"] is s
+        with pytest.raises(ng.GraphStateError, match="without a preceding update"):
+            g.replay()  # torch_npu cannot tell how many ops are updatable: every replay needs an update
+        replay_stream = ng.new_stream()
+        with ng.stream(replay_stream):
+            for lengths in ([1, 2, 3], [3, 2, 1]):
+                g.update([{"lengths": lengths}])
+                g.replay()
+                assert torch.equal(y, masked_mean(x, lengths))
+        sequence = [(c[0], c[1], c[2]) for c in npu_double
+                    if c[0] in ("update", "replay", "event.record", "event.synchronize")]
+        assert sequence == [
+            ("update", (), {"cpu_update_input": [{"lengths": [1, 2, 3]}]}),
+            ("replay", (), {}),
+            ("event.record", (replay_stream,), {}),
+            ("event.synchronize", (replay_stream,), {}),  # the next update waits for the previous replay
+            ("update", (), {"cpu_update_input": [{"lengths": [3, 2, 1]}]}),
+            ("replay", (), {}),
+            ("event.record", (replay_stream,), {}),
+        ]
+
+    def test_handlers_are_registered_with_torch_npu(self, npu_double):
+        ng.Graph()  # starting the npu backend registers the handlers made before torch_npu was loaded
+        registered = torch.npu.registered_handlers
+        assert registered["masked_mean.default"] is example.MaskedMeanHandler
+        assert registered["scaled.default"] is ScaledHandler
+
+        @register_graph_handler(["later_op.default"])
+        class Later(GraphOpHandler):
+            UPDATE_SPECS = {"later_op.default": [("arg", 0, "n")]}
+
+        assert registered["later_op.default"] is Later
+
+
+def _lightning_varlen(mode, graphed):
+    import lightning.pytorch as pl
+    from torch.utils.data import DataLoader
+
+    class LitVarLen(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.net = ng.graph_safe(example.VarLenRegressor())
+
+        def on_train_batch_start(self, batch, batch_idx):
+            self.net.lengths = batch[1].tolist()  # outside any graph: the eager path reads it
+
+        def npugraph_update_input(self, batch):
+            return [{"lengths": batch[1].tolist()}]
+
+        def training_step(self, batch, batch_idx):
+            x, lengths, y = batch
+            loss = nn.functional.mse_loss(self.net(x), y)
+            self.log("loss", loss)
+            return loss
+
+        def configure_optimizers(self):
+            from npugraph_train.optim import make_capturable
+            return make_capturable(torch.optim.SGD(self.parameters(), lr=0.1))
+
+    data = [(x, torch.tensor(lengths), y) for x, lengths, y in example.batches(12, 4, 10, 8)]
+    torch.manual_seed(0)
+    model = LitVarLen()
+    model.net.lengths = [10] * 4
+    callbacks = [NPUGraphCallback(mode=mode, warmup_steps=2, auto_dispatch_capture=True)] if graphed else []
+    trainer = pl.Trainer(max_steps=12, accelerator="cpu", logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False, callbacks=callbacks)
+    trainer.fit(model, DataLoader(data, batch_size=None))
+    return model, callbacks
+
+
+@pytest.mark.parametrize("mode", ["submodules", "whole_step"])
+def test_lightning_module_provides_update_inputs(mode):
+    graphed, callbacks = _lightning_varlen(mode, graphed=True)
+    eager, _ = _lightning_varlen(mode, graphed=False)
+    assert callbacks[0].report()[0]["replays"] == 10
+    for a, b in zip(graphed.parameters(), eager.parameters()):
+        assert torch.equal(a, b)
+
+
+def test_callback_needs_the_update_method():
+    from .lightning_models import fit
+
+    with pytest.raises(MisconfigurationException, match="Regressor.npugraph_update_input\\(self, batch\\)"):
+        fit(callbacks=[NPUGraphCallback(auto_dispatch_capture=True)], max_steps=2)
