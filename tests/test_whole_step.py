@@ -244,3 +244,29 @@ class TestRefusals:
 
         with pytest.raises(MisconfigurationException, match="OneCycleLR.*cycle_momentum=False"):
             self._fit(OneCycle())
+
+
+def test_logging_in_optimizer_hooks_is_refreshed_every_step():
+    class LogsGradNorm(Scheduled):
+        def on_before_optimizer_step(self, optimizer):
+            self.log("head_grad_norm", torch.linalg.vector_norm(self.head.weight.grad))
+
+    class NormTrace(Callback):
+        def __init__(self):
+            self.values = []
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            self.values.append(trainer.callback_metrics["head_grad_norm"].clone())
+
+    def run(graphed):
+        torch.manual_seed(0)
+        trace = NormTrace()
+        callbacks = [trace] + ([NPUGraphCallback(mode="whole_step")] if graphed else [])
+        trainer(callbacks, max_steps=12).fit(LogsGradNorm(), *loaders())
+        return trace.values
+
+    eager = run(False)
+    with pytest.warns(UserWarning, match="on_before_optimizer_step run inside the captured step"):
+        graphed = run(True)
+    assert len(set(v.item() for v in graphed)) == 12
+    assert all(torch.equal(a, b) for a, b in zip(eager, graphed))
