@@ -39,7 +39,7 @@ class NPUGraphConfig:
         num_warmup_iters: eager iterations ``make_graphed_callables`` runs before capturing.
         backend: ``auto``, ``npu``, ``cuda`` or ``emulate``.
         on_failure: ``raise`` stops with the capture error; ``eager`` warns once and leaves the failing
-            module eager while the others are graphed.
+            module eager while the others are graphed (in ``whole_step`` mode: every step runs eager).
         max_signatures: graphs per module, one per input signature (e.g. a short last batch).
         capture_error_mode: ``thread_local`` (default: a DataLoader's pin-memory thread cannot invalidate
             the capture), ``global`` or ``relaxed``.

@@ -270,3 +270,26 @@ def test_logging_in_optimizer_hooks_is_refreshed_every_step():
         graphed = run(True)
     assert len(set(v.item() for v in graphed)) == 12
     assert all(torch.equal(a, b) for a, b in zip(eager, graphed))
+
+
+def test_on_failure_eager_falls_back_to_eager_steps():
+    class Reads(Scheduled):
+        def training_step(self, batch, batch_idx):
+            loss = super().training_step(batch, batch_idx)
+            return loss * 1.0 if loss.item() > -1 else loss  # a host read: not capture-safe
+
+    def run(callbacks):
+        torch.manual_seed(0)
+        t = trainer(callbacks, max_steps=8)
+        model = Reads()
+        t.fit(model, *loaders())
+        return model, t
+
+    eager, _ = run([])
+    callback = NPUGraphCallback(mode="whole_step", on_failure="eager")
+    with pytest.warns(UserWarning, match="training step capture failed, runs eager.*loss.item"):
+        graphed, t = run([callback])
+    assert t.global_step == 8
+    report = callback.report()[0]
+    assert report["status"].startswith("capture failed") and report["replays"] == 0
+    assert _same(eager, graphed)

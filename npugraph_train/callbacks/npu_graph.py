@@ -104,7 +104,7 @@ class NPUGraphCallback(Callback):
                              batch_idx: int) -> None:
         if self._whole is not None:
             # The capture itself happens in the optimization loop, where the batch and closure are.
-            self._whole.active = self._step >= self.config.warmup_steps
+            self._whole.active = self._step >= self.config.warmup_steps and not self._whole.failed
             return
         if self._grapher is None or not self._grapher.modules:
             return

@@ -11,6 +11,7 @@ of the step's outputs.
 """
 from __future__ import annotations
 
+import copy
 import time
 import warnings
 from collections import Counter, OrderedDict
@@ -85,6 +86,7 @@ class WholeStepGrapher:
         self.backend = backend
         self.graph: Optional[Graph] = None
         self.active = False
+        self.failed = False
         self.static_leaves: List[Any] = []
         self.spec: Any = None
         self.signature: Tuple[Any, ...] = ()
@@ -189,6 +191,7 @@ class WholeStepGrapher:
         self.logs = _LogRecorder(module)
         module.log = self.logs
         self.graph = Graph(self.backend)
+        progress = copy.deepcopy(loop.optim_progress.state_dict())
         started = time.perf_counter()
         try:
             self.backend.synchronize()
@@ -197,8 +200,14 @@ class WholeStepGrapher:
                 result = _AutomaticOptimization.run(loop, optimizer, batch_idx, static_kwargs)
         except GraphCaptureError as exc:
             self.graph = None
-            raise GraphCaptureError(f"capturing the training step failed: {exc}", module_name="training_step") \
-                from exc
+            if self.config.on_failure == "raise":
+                raise GraphCaptureError(f"capturing the training step failed: {exc}",
+                                        module_name="training_step") from exc
+            # Capture ran no kernels (the emulator undoes its own): only the step counters moved.
+            loop.optim_progress.load_state_dict(progress)
+            self.active, self.failed, self.status = False, True, f"capture failed, runs eager: {exc}"
+            rank_zero_warn(f"NPUGraphCallback(mode='whole_step'): the training step {self.status}")
+            return _AutomaticOptimization.run(loop, optimizer, batch_idx, kwargs)
         finally:
             del module.log
         self.capture_seconds = time.perf_counter() - started
