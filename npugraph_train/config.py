@@ -93,8 +93,13 @@ class NPUGraphConfig:
     def create(cls, cfg: Union["NPUGraphConfig", Mapping[str, Any], Any, None] = None,
                **overrides: Any) -> "NPUGraphConfig":
         """Build and validate a config from a dataclass, dict, DictConfig or keyword overrides."""
-        from omegaconf import OmegaConf
-        from omegaconf.errors import OmegaConfBaseException
+        try:
+            from omegaconf import OmegaConf
+            from omegaconf.errors import OmegaConfBaseException
+        except ImportError as exc:
+            raise MisconfigurationException(
+                "NPUGraphConfig.create / NPUGraphCallback.from_config need omegaconf (pip install omegaconf); "
+                "without it, pass the switches as keyword arguments: NPUGraphCallback(mode=..., ...)") from exc
 
         valid = [f.name for f in fields(cls)]
         if OmegaConf.is_config(cfg):

@@ -211,6 +211,30 @@ def test_tuple_of_callables_share_a_pool_and_the_doc_example_matches_eager():
     assert example.run(True, **small) == example.run(False, **small)
 
 
+def test_encoder_layers_with_constant_flags():
+    """nn.TransformerEncoder calls its layers with src_mask=None, is_causal=False: constants of the call."""
+    def encoder():
+        torch.manual_seed(0)
+        return nn.TransformerEncoder(nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True), 2,
+                                     enable_nested_tensor=False)
+
+    graphed, reference = encoder(), encoder()
+    flags = {"src_mask": None, "is_causal": False, "src_key_padding_mask": None}
+    ng.make_graphed_callables(tuple(graphed.layers), ((torch.zeros(2, 5, 16),), (torch.zeros(2, 5, 16,
+                              requires_grad=True),)), sample_kwargs=(flags, flags))
+    x = torch.randn(2, 5, 16)
+    graphed(x).sum().backward()
+    reference(x).sum().backward()
+    _assert_same_state(graphed, reference)
+    for a, b in zip(graphed.parameters(), reference.parameters()):
+        assert torch.equal(a.grad, b.grad)
+    first = ng.graphed_state(graphed.layers[0])
+    assert first.report()["replays"] == 1
+    mask = nn.Transformer.generate_square_subsequent_mask(5)
+    graphed.layers[0](x, src_mask=mask, is_causal=True, src_key_padding_mask=None)  # another signature: eager
+    assert "True" in list(first.eager_calls)[0]
+
+
 def test_tuple_capture_shares_pool():
     a, b = nn.Linear(3, 3), nn.Linear(3, 2)
     x = torch.zeros(2, 3)
@@ -255,7 +279,7 @@ class TestErrors:
             ng.make_graphed_callables(model, (torch.zeros(1, 2),), names=["head"])
 
     def test_non_tensor_sample_args(self):
-        with pytest.raises(ng.GraphCaptureError, match="Linear: sample arguments must all be tensors.*int"):
+        with pytest.raises(ng.GraphCaptureError, match="Linear: sample arguments must be tensors, None or bools.*int"):
             ng.make_graphed_callables(nn.Linear(2, 2), (torch.zeros(1, 2), 3))
 
     def test_item_in_forward_names_module_op_and_line(self):

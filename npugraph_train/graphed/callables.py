@@ -42,9 +42,15 @@ _batch_ids = itertools.count()
 _MODE_DIFFERS = "module mode differs from capture (train/eval)"
 
 
+def _is_constant(leaf: Any) -> bool:
+    # None (an optional argument left out) and flags such as is_causal=False are part of the call's
+    # structure: captured as they are, and a call with another value is another signature.
+    return leaf is None or isinstance(leaf, bool)
+
+
 def _leaf_signature(t: Any) -> Any:
-    if t is None:  # an optional argument left out: part of the call's structure, not an input
-        return ("none",)
+    if _is_constant(t):
+        return ("constant", t)
     if not isinstance(t, torch.Tensor):
         return ("non-tensor", type(t).__name__)
     return (tuple(t.shape), t.dtype, t.device, t.requires_grad)
@@ -57,8 +63,8 @@ def _signature(spec: Any, leaves: Sequence[Any], backend: Backend) -> tuple:
 def _describe(signature: tuple) -> str:
     parts = []
     for leaf in signature[1]:
-        if leaf[0] == "none":
-            parts.append("None")
+        if leaf[0] == "constant":
+            parts.append(repr(leaf[1]))
         elif leaf[0] == "non-tensor":
             parts.append(leaf[1])
         else:
@@ -121,7 +127,7 @@ class _CapturedSignature:
         self.leaves = leaves
         self.pool = pool
         self.pool_order = _PoolOrder.of(pool)
-        self.static_inputs = tuple(t for t in leaves if t is not None)
+        self.static_inputs = tuple(t for t in leaves if isinstance(t, torch.Tensor))
         self.spec = spec
         self.order = order
         self.fwd_graph = Graph(owner.backend)
@@ -213,7 +219,7 @@ class _CapturedSignature:
                 g.update(cpu_update_input)
 
     def __call__(self, flat_args: List[Optional[torch.Tensor]]) -> Any:
-        out = self.function.apply(*(t for t in flat_args if t is not None), *self.owner.params)
+        out = self.function.apply(*(t for t in flat_args if isinstance(t, torch.Tensor)), *self.owner.params)
         return tree_unflatten(list(out), self.output_spec)
 
 
@@ -265,7 +271,7 @@ class GraphedCallable:
             if len(self.signatures) >= self.max_signatures:
                 return self._eager(f"signature {_describe(key)} not captured (max_signatures="
                                    f"{self.max_signatures} reached)", args, kwargs)
-            if any(not isinstance(t, torch.Tensor) and t is not None for t in flat):
+            if any(not isinstance(t, torch.Tensor) and not _is_constant(t) for t in flat):
                 return self._eager(f"non-tensor argument in {_describe(key)}", args, kwargs)
             if self.backend.is_current_stream_capturing():
                 return self._eager("new signature met during another capture", args, kwargs)
@@ -304,7 +310,8 @@ class GraphedCallable:
         # memory that other callables' pending backwards still need.
         if self.cache_pool is None:
             self.cache_pool = self.backend.graph_pool_handle()
-        static = [t.detach().clone().requires_grad_(t.requires_grad) if t is not None else None for t in flat]
+        static = [t.detach().clone().requires_grad_(t.requires_grad) if isinstance(t, torch.Tensor) else t
+                  for t in flat]
         sig = _CapturedSignature(self, static, spec, self.cache_pool, (next(_batch_ids), 0))
         capture_signatures([sig], key_of={id(sig): key})
         return sig
@@ -343,14 +350,20 @@ def capture_signatures(sigs: Sequence[_CapturedSignature], key_of: Dict[int, tup
     buffers = [b for m in modules for b in m.buffers()]
     saved_buffers = [b.detach().clone() for b in buffers]
     cpu_rng, device_rng = torch.get_rng_state(), backend.get_rng_state()
-    started = time.perf_counter()
+    seconds = {id(sig): 0.0 for sig in sigs}
+
+    def timed(sig: _CapturedSignature, phase: Callable[[], None]) -> None:
+        started = time.perf_counter()
+        phase()
+        seconds[id(sig)] += time.perf_counter() - started
+
     current = sigs[0]
     try:
         with torch.enable_grad():
             backend.synchronize()
             with backend.stream(backend.new_stream()):
                 for current in sigs:
-                    current.warmup()
+                    timed(current, current.warmup)
             backend.synchronize()
             with torch.no_grad():
                 for b, saved in zip(buffers, saved_buffers):
@@ -359,9 +372,9 @@ def capture_signatures(sigs: Sequence[_CapturedSignature], key_of: Dict[int, tup
             if device_rng is not None:
                 backend.set_rng_state(device_rng)
             for current in sigs:
-                current.capture_forward()
+                timed(current, current.capture_forward)
             for current in reversed(sigs):
-                current.capture_backward()
+                timed(current, current.capture_backward)
     except (GraphCaptureError, GraphStateError, RuntimeError) as exc:
         with torch.no_grad():
             for b, saved in zip(buffers, saved_buffers):
@@ -371,13 +384,12 @@ def capture_signatures(sigs: Sequence[_CapturedSignature], key_of: Dict[int, tup
             s.bwd_graph.reset() if s.bwd_graph.is_captured else None
         raise GraphCaptureError(f"capturing {current.owner.name} failed: {exc}",
                                 module_name=current.owner.name) from exc
-    seconds = (time.perf_counter() - started) / len(sigs)
     for s in sigs:
         key = key_of[id(s)]
         s.owner.signatures[key] = s
         pool_bytes = [g.pool_bytes() for g in (s.fwd_graph, s.bwd_graph)]
         s.owner.stats[key] = SignatureStats(
-            _describe(key), capture_seconds=seconds,
+            _describe(key), capture_seconds=seconds[id(s)],
             pool_bytes=None if pool_bytes[0] is None else sum(b or 0 for b in pool_bytes))
 
 
@@ -421,10 +433,10 @@ def _check_callable(func: Callable, name: str, flat_args: List[Any], backend: Ba
             if buf.requires_grad:
                 raise refuse(f"{name}: buffer {buf_name!r} requires grad; graphed modules need buffers with "
                              "requires_grad=False (make it a Parameter instead)")
-    bad = [type(a).__name__ for a in flat_args if not isinstance(a, torch.Tensor) and a is not None]
+    bad = [type(a).__name__ for a in flat_args if not isinstance(a, torch.Tensor) and not _is_constant(a)]
     if bad:
-        raise refuse(f"{name}: sample arguments must all be tensors or None (got {', '.join(bad)}); pass other "
-                     "values through a closure or keep this callable eager")
+        raise refuse(f"{name}: sample arguments must be tensors, None or bools (got {', '.join(bad)}); pass "
+                     "other values through a closure or module attribute, or keep this callable eager")
     if backend.autocast_state()[0] and torch.is_autocast_cache_enabled():
         raise refuse(f"{name}: graphing under autocast needs cache_enabled=False "
                      f"(torch.autocast('{backend.device_type}', ..., cache_enabled=False))")

@@ -1,0 +1,232 @@
+"""Step time of graph capture in Lightning training: npugraph_train against eager, hand-written graphs and
+torch.compile, all on the same models in one run.
+
+    python benchmarks/step_time.py --json out.json              # all columns; GPU: full sizes, CPU: quick
+    python benchmarks/step_time.py --compile --json out.json    # + torch.compile(reduce-overhead), CUDA only
+    python benchmarks/step_time.py --models mlp --columns eager,whole_step --steps 20
+    python benchmarks/step_time.py --sweep --json sweep.json    # batch-size and module-count sweeps
+
+Runs on the device of ``npugraph_train.graphed.get_backend()`` (npu -> Lightning "npu", cuda -> "gpu",
+emulate -> "cpu"). On the CPU the emulate backend replays graphs op by op in Python: there the run checks
+that every column works and that graphed numerics match eager; it is not a speed measurement.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import shlex
+import sys
+from pathlib import Path
+from typing import Any, Dict, List
+
+if __package__ in (None, ""):
+    # Run as a script: import the suite and npugraph_train from this source tree (no install needed).
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import lightning
+import torch
+
+import npugraph_train
+from benchmarks.lightning_runners import LABELS as LIGHTNING_LABELS, quiet_lightning, run_lightning
+from benchmarks.measure import Device, RunResult, StepPlan
+from benchmarks.models import FULL, QUICK, make_batches
+from benchmarks.plain_runners import LABELS as PLAIN_LABELS, NotApplicable, prime_device, run_plain
+from benchmarks.report import check_targets, derive, merge, model_table, targets_table
+from benchmarks.sweep import batch_sweep, batch_table, module_sweep, module_table, stops_paying
+
+LIGHTNING_COLUMNS = ["eager", "eager_capturable", "submodules", "whole_step", "lit_mgc", "compile"]
+PLAIN_COLUMNS = ["plain_eager", "mgc", "whole_graph"]
+ALL_COLUMNS = LIGHTNING_COLUMNS + PLAIN_COLUMNS
+MODELS = ["mlp", "tf", "mlp_big"]
+
+# (warmup/head steps, windows, steps per window) per size. Quick keeps a 2-core CPU run to minutes.
+PLANS = {"full": (20, 5, 50), "quick": (6, 7, 8)}
+SWEEP_BATCHES = {"full": [16, 64, 256, 1024, 4096, 16384], "quick": [8, 32, 128, 512]}
+SWEEP_MODULES = [1, 2, 4, 8]
+
+EMULATOR_NOTE = (
+    "NOTE: CPU / emulate backend. The emulator records the ops of a capture and replays them one by one "
+    "in Python on the CPU, so graphed columns are expected to be SLOWER than eager here. This run checks "
+    "that every column runs and that graphed training matches eager (max |Δparam|); it measures no "
+    "speed-up. Speed figures need an NPU or a CUDA GPU.")
+
+
+def parse_args(argv: List[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--json", type=Path, help="write all results (and the run's metadata) to this file")
+    p.add_argument("--models", default=",".join(MODELS), help=f"comma list of {', '.join(MODELS)}")
+    p.add_argument("--columns", default=None,
+                   help=f"comma list of {', '.join(ALL_COLUMNS)} (default: all but compile; compile with "
+                        "--compile)")
+    p.add_argument("--compile", action="store_true",
+                   help="add the torch.compile(mode='reduce-overhead') column (CUDA only; slow to compile)")
+    size = p.add_mutually_exclusive_group()
+    size.add_argument("--size", choices=("auto", "quick", "full"), default="auto",
+                      help="model sizes and step counts: auto = full on a GPU/NPU, quick on the CPU")
+    size.add_argument("--quick", dest="size", action="store_const", const="quick", help="same as --size quick")
+    size.add_argument("--full", dest="size", action="store_const", const="full", help="same as --size full")
+    p.add_argument("--steps", type=int, help="timed steps per window")
+    p.add_argument("--windows", type=int, help="timed windows (the figure is their median)")
+    p.add_argument("--warmup", type=int, help="untimed steps before the windows (contain warmup and capture)")
+    p.add_argument("--graph-warmup", type=int, default=3,
+                   help="eager steps before capture in every graphed column (the callback's warmup_steps)")
+    p.add_argument("--repeats", type=int, default=1,
+                   help="run every column this many times, in rotated order, and pool the windows")
+    p.add_argument("--granularity", choices=("model", "blocks"), default="model",
+                   help="what submodules/lit_mgc/mgc graph: the whole model as one callable, or each block")
+    p.add_argument("--threads", type=int,
+                   help="torch CPU threads (default: 1 on the emulator, torch's default elsewhere)")
+    p.add_argument("--backend", choices=("auto", "npu", "cuda", "emulate"), default="auto",
+                   help="graph backend (default: NPUGRAPH_BACKEND or auto)")
+    p.add_argument("--sweep", action="store_true",
+                   help="run the scaling sweep (batch size; number of graphed modules) instead of the table")
+    p.add_argument("--sweep-batches", help="comma list of batch sizes for the sweep")
+    p.add_argument("--sweep-modules", help="comma list of graphed-module counts for the sweep")
+    return p.parse_args(argv)
+
+
+def _ints(text: str) -> List[int]:
+    return [int(v) for v in text.split(",") if v.strip()]
+
+
+def _names(text: str, valid: List[str], what: str) -> List[str]:
+    names = [v.strip() for v in text.split(",") if v.strip()]
+    bad = [n for n in names if n not in valid]
+    if bad:
+        sys.exit(f"error: unknown {what} {', '.join(bad)}; choose from {', '.join(valid)}")
+    return names
+
+
+def run_column(column: str, spec: Any, batches: Any, device: Device, plan: StepPlan, granularity: str) -> RunResult:
+    """One column; n/a and errors become a result row instead of ending the run."""
+    label = {**LIGHTNING_LABELS, **PLAIN_LABELS}[column]
+    try:
+        if column in LIGHTNING_COLUMNS:
+            return run_lightning(column, spec, batches, device, plan, granularity)
+        return run_plain(column, spec, batches, device, plan, granularity)
+    except NotApplicable as exc:
+        return RunResult(column, label, status="n/a", reason=str(exc))
+    except Exception as exc:  # report and go on: one broken column must not hide the others
+        return RunResult(column, label, status="error", reason=f"{type(exc).__name__}: {' '.join(str(exc).split())}")
+
+
+def metadata(args: argparse.Namespace, device: Device, size: str, plan: StepPlan) -> Dict[str, Any]:
+    return {
+        "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+        "command": " ".join(shlex.quote(a) for a in ["python"] + sys.argv),
+        "device": device.describe(), "backend": device.name, "lightning_accelerator": device.accelerator,
+        "torch": torch.__version__, "lightning": lightning.__version__, "npugraph_train": npugraph_train.__version__,
+        "python": platform.python_version(), "host_cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+        "size": size, "granularity": args.granularity, "repeats": args.repeats,
+        "plan": {"warmup_steps": plan.head, "windows": plan.windows, "steps_per_window": plan.steps,
+                 "graph_warmup_steps": plan.graph_warmup},
+        "precision": f"fp32 (Lightning 32-true); float32 matmul precision {torch.get_float32_matmul_precision()!r}",
+        "optimizer": "AdamW(lr=1e-3, foreach=True) in eager/submodules/lit_mgc/compile/plain columns; "
+                     "make_capturable(AdamW(foreach=True)) in whole_step and eager_capturable; "
+                     "AdamW(capturable=True, foreach=True, tensor lr) in whole_graph (make_capturable on the emulator)",
+    }
+
+
+def main(argv: List[str]) -> None:
+    args = parse_args(argv)
+    models = _names(args.models, MODELS, "model")
+    columns = _names(args.columns, ALL_COLUMNS, "column") if args.columns else \
+        [c for c in ALL_COLUMNS if c != "compile" or args.compile]
+    quiet_lightning()
+    try:
+        npugraph_train.set_backend(None if args.backend == "auto" else args.backend)
+        device = Device()
+    except npugraph_train.BackendUnavailableError as exc:
+        sys.exit(f"error: {exc}")
+    if args.threads or device.is_emulator:
+        # One thread on the CPU: with OpenMP threads on every core, any other process on a small, shared
+        # machine stalls each parallel region for a scheduler slice, and steps get tens of times slower.
+        torch.set_num_threads(args.threads or 1)
+    size = args.size if args.size != "auto" else ("quick" if device.is_emulator else "full")
+    head, windows, steps = PLANS[size]
+    try:
+        plan = StepPlan(head=args.warmup or head, windows=args.windows or windows, steps=args.steps or steps,
+                        graph_warmup=args.graph_warmup)
+    except ValueError as exc:
+        sys.exit(f"error: {exc}")
+    specs = (QUICK if size == "quick" else FULL)
+    meta = metadata(args, device, size, plan)
+    print(f"device: {meta['device']}; backend {device.name}; torch {meta['torch']}, lightning {meta['lightning']}; "
+          f"{meta['date']}")
+    print(f"sizes: {size}; {plan.head} untimed steps, then {plan.windows} windows x {plan.steps} steps "
+          f"(median of windows); capture after {plan.graph_warmup} eager steps")
+    if device.is_emulator:
+        print(EMULATOR_NOTE)
+    sys.stdout.flush()
+
+    if args.sweep:
+        run_sweep(args, device, plan, size, specs, meta)
+        return
+
+    output: Dict[str, Any] = {"meta": meta, "models": {}, "targets": []}
+    for model in models:
+        spec = specs[model]
+        print(f"\n== {model}: {spec.describe()}", flush=True)
+        batches = make_batches(spec, device.torch_device())
+        prime_device(spec, batches, device)
+        runs: Dict[str, List[RunResult]] = {c: [] for c in columns}
+        for r in range(args.repeats):
+            order = columns[r % len(columns):] + columns[:r % len(columns)]  # rotate: no column always first
+            for column in order:
+                result = run_column(column, spec, batches, device, plan, args.granularity)
+                runs[column].append(result)
+                shown = f"{result.us:.0f} µs/step" if result.us is not None else f"{result.status}: {result.reason}"
+                print(f"  {column:<17} {shown}", flush=True)
+        rows = derive({c: merge(rs) for c, rs in runs.items()})
+        checks = check_targets(model, rows, judged=not device.is_emulator)
+        output["models"][model] = {"spec": vars(spec), "description": spec.describe(), "columns": rows}
+        output["targets"] += checks
+        print()
+        print(model_table(rows, columns))
+    if output["targets"]:
+        print("\nGPU targets" + (" (not judged on the emulator)" if device.is_emulator else "") + ":")
+        print(targets_table(output["targets"]))
+    if device.is_emulator:
+        print("\n" + EMULATOR_NOTE)
+    write_json(args.json, output)
+
+
+def run_sweep(args: argparse.Namespace, device: Device, plan: StepPlan, size: str, specs: Dict[str, Any],
+              meta: Dict[str, Any]) -> None:
+    spec = specs["mlp"]
+    batches = _ints(args.sweep_batches) if args.sweep_batches else SWEEP_BATCHES[size]
+    counts = _ints(args.sweep_modules) if args.sweep_modules else SWEEP_MODULES
+    print(f"\n== sweep 1: step time vs batch size, mlp ({spec.depth} x width {spec.width})", flush=True)
+    b_rows = batch_sweep(spec, batches, device, plan, log=lambda s: print(s, flush=True))
+    print()
+    print(batch_table(b_rows))
+    limit = None if device.is_emulator else stops_paying(b_rows)
+    if device.is_emulator:
+        print("where capture stops paying: not measurable on the emulator (no launch overhead to save)")
+    else:
+        print(f"capture stops paying (< 1.05x) from batch {limit} on" if limit is not None
+              else "capture pays (>= 1.05x) at every batch size measured")
+    print(f"\n== sweep 2: capture cost vs number of graphed modules, mlp ({spec.describe()})", flush=True)
+    m_rows = module_sweep(spec, counts, device, plan, log=lambda s: print(s, flush=True))
+    print()
+    print(module_table(m_rows))
+    if device.is_emulator:
+        print("\n" + EMULATOR_NOTE)
+    write_json(args.json, {"meta": meta, "sweep": {"model": vars(spec), "batch": b_rows, "stops_paying_at_batch":
+                                                   limit, "modules": m_rows}})
+
+
+def write_json(path: Any, data: Dict[str, Any]) -> None:
+    if path is None:
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data, indent=1, default=str) + "\n")
+    print(f"\nwrote {path}")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
