@@ -137,6 +137,13 @@ def make_torch_npu(log: CallLog) -> types.ModuleType:
     npu.Event = _make_event_class(log)
     npu.registered_handlers = {}
 
+    class NpuGraphOpHandler:  # torch_npu's base: hooks its dispatch mode calls
+        @classmethod
+        def record_wrap_kwarg(cls, key: Any, value: Any, tensor_param_names: Any) -> Any:
+            return value
+
+    npu.NpuGraphOpHandler = NpuGraphOpHandler
+
     def register_npu_graph_handler(op_names: Any) -> Any:
         def register(cls: type) -> type:
             for name in [op_names] if isinstance(op_names, str) else op_names:

@@ -43,6 +43,19 @@ def test_parity_with_plain_lightning(model_kwargs):
     assert "blocks.0: graphed; replays 29" in text and "float32[6, 8]" in text
 
 
+def test_report_is_logged_once_at_the_end_of_fit(caplog):
+    import logging
+
+    with caplog.at_level(logging.INFO):
+        fit(callbacks=[NPUGraphCallback(warmup_steps=2)], max_steps=6)
+    reports = [r for r in caplog.records if "npugraph_train capture report" in r.getMessage()]
+    assert len(reports) == 1 and "blocks.1: graphed; replays 4" in reports[0].getMessage()
+    caplog.clear()
+    with caplog.at_level(logging.INFO):
+        fit(callbacks=[NPUGraphCallback(warmup_steps=2, log_report=False)], max_steps=6)
+    assert not any("capture report" in r.getMessage() for r in caplog.records)
+
+
 def test_bf16_autocast_parity():
     eager, _ = fit(precision="bf16-mixed", max_steps=12)
     callback = NPUGraphCallback(warmup_steps=2)

@@ -122,3 +122,32 @@ def test_callback_whole_step(backend):
     graphed, _, t = _run({"optimizer": "adamw"}, {}, **kwargs)
     assert t.callbacks[-1].report()[0]["replays"] > 10
     assert_parity(dict(eager.named_parameters()), dict(graphed.named_parameters()), backend)
+
+
+@pytest.mark.parametrize("name, accum", [("mlp", 1), ("mlp", 4), ("conv_bn", 1), ("transformer", 1), ("dropout", 1)])
+def test_graphed_callables_models(backend, name, accum):
+    from .test_graphed_callables import MODELS
+
+    if name == "dropout" and backend.name != "emulate":
+        pytest.skip("a device graph draws its own random numbers (Philox offsets per replay): masks differ")
+    make_model, make_batch, sample = MODELS[name]
+    device = backend.device_type
+
+    def run(graphed):
+        torch.manual_seed(0)
+        model = make_model().to(device)
+        opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+        samples = tuple(t.to(device) for t in sample())
+        torch.manual_seed(1)
+        batches = [tuple(t.to(device) for t in make_batch()) for _ in range(6 * accum)]
+        if graphed:
+            ng.make_graphed_callables(model, samples)
+        for i, (x, y) in enumerate(batches):
+            nn.functional.mse_loss(model(x), y).backward()
+            if (i + 1) % accum == 0:
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+        ng.synchronize()
+        return model.state_dict()
+
+    assert_parity(run(False), run(True), backend)

@@ -96,6 +96,10 @@ def test_copy_into_captured_input_changes_replay():
     (lambda t: torch.equal(t, t), "equal"),
     (lambda t: t.numpy(), "numpy"),
     (lambda t: torch.tensor([1.0, 2.0]), "lift_fresh"),
+    (lambda t: print("value", t), "printing a tensor"),
+    (lambda t: f"{t.sum():.1f}", "printing a tensor"),
+    (lambda t: t.cpu(), "Tensor.cpu()"),
+    (lambda t: ng.synchronize(), "synchronize() waits for the device"),
 ])
 def test_host_reads_raise_capture_error_with_op_and_line(host_read, op_name):
     x = torch.ones(3)
@@ -218,6 +222,15 @@ class TestMisuse:
     def test_capture_on_default_stream(self):
         with pytest.raises(ng.GraphCaptureError, match="non-default stream"):
             ng.Graph().capture_begin()
+
+    def test_refused_capture_changes_nothing(self):
+        g = ng.Graph()
+        with ng.graph(g, auto_dispatch_capture=True):
+            torch.ones(1) + 1
+        with pytest.raises(ng.GraphStateError, match="already holds a capture"):
+            with ng.graph(g):  # refused: the graph keeps its update guard
+                pass
+        assert g._auto_dispatch and g.native.auto_dispatch_capture
 
     def test_capture_end_without_begin(self):
         with pytest.raises(ng.GraphStateError, match="without a preceding capture_begin"):

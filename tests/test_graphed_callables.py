@@ -204,7 +204,7 @@ def test_eval_mode_runs_eager():
     assert "train/eval" in list(ng.graphed_state(model).eager_calls)[0]
 
 
-def test_tuple_of_callables_share_a_pool_and_the_doc_example_matches_eager():
+def test_doc_example_matches_eager():
     import graphed_callables as example
 
     small = dict(N=8, D_in=12, H=10, D_out=4)
@@ -233,6 +233,26 @@ def test_encoder_layers_with_constant_flags():
     mask = nn.Transformer.generate_square_subsequent_mask(5)
     graphed.layers[0](x, src_mask=mask, is_causal=True, src_key_padding_mask=None)  # another signature: eager
     assert "True" in list(first.eager_calls)[0]
+
+
+def test_returned_input_gradients_are_not_static_buffers():
+    block = ng.make_graphed_callables(nn.Sequential(nn.Linear(3, 3), nn.Tanh()),
+                                      (torch.zeros(2, 3, requires_grad=True),))
+    h1, h2 = torch.randn(2, 3, requires_grad=True), torch.randn(2, 3, requires_grad=True)
+    (g1,) = torch.autograd.grad(block(h1).sum(), h1)
+    kept = g1.clone()
+    (g2,) = torch.autograd.grad(block(h2).sum(), h2)
+    assert torch.equal(g1, kept), "the second backward replay must not change the first call's gradient"
+    assert g1.untyped_storage().data_ptr() != g2.untyped_storage().data_ptr()
+
+
+def test_global_module_hooks_are_refused():
+    handle = torch.nn.modules.module.register_module_forward_hook(lambda *a: None)
+    try:
+        with pytest.raises(ng.GraphCaptureError, match="net: global module hooks are registered"):
+            ng.make_graphed_callables(nn.Linear(2, 2), (torch.zeros(1, 2),), names=["net"])
+    finally:
+        handle.remove()
 
 
 def test_tuple_capture_shares_pool():

@@ -91,6 +91,19 @@ def test_make_capturable_keeps_state_and_object():
     assert make_capturable(opt) is opt and opt.param_groups[0]["lr"] is not None  # idempotent
 
 
+@pytest.mark.parametrize("make", [lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9),
+                                  lambda ps: torch.optim.AdamW(ps, lr=0.1)])
+def test_step_hooks_survive_conversion(make):
+    model = _model()
+    opt = make(model.parameters())
+    calls = []
+    opt.register_step_pre_hook(lambda *args: calls.append("pre"))
+    opt.register_step_post_hook(lambda *args: calls.append("post"))
+    _set_grads(model, _grads(1)[0])
+    make_capturable(opt).step()
+    assert calls == ["pre", "post"]
+
+
 def test_adam_state_steps_move_to_parameter_device_and_capturable_flag():
     model = _model()
     opt = torch.optim.Adam(model.parameters(), lr=0.01)

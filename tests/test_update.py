@@ -131,6 +131,21 @@ def test_graphed_callables_with_updates_train_like_eager():
     assert ng.graphed_state(graphed_model).report()["replays"] == len(graphed_losses)
 
 
+def test_graphed_callable_updates_per_graph():
+    model = example.VarLenRegressor()
+    model.lengths = [10] * 4
+    ng.make_graphed_callables(model, (torch.zeros(4, 10, 8),), auto_dispatch_capture=True)
+    reference = example.VarLenRegressor()
+    reference.load_state_dict(model.state_dict())
+    x, lengths = torch.randn(4, 10, 8), [1, 5, 7, 10]
+    ng.graphed_state(model).update({"forward": [{"lengths": lengths}], "backward": [{"lengths": lengths}]})
+    model(x).sum().backward()
+    reference.lengths = lengths
+    reference(x).sum().backward()
+    for a, b in zip(model.parameters(), reference.parameters()):
+        assert torch.equal(a.grad, b.grad)
+
+
 def test_graphed_callable_call_without_update_is_refused():
     model = example.VarLenRegressor()
     model.lengths = [10] * 4
@@ -179,14 +194,26 @@ class TestNPUDouble:
     def test_handlers_are_registered_with_torch_npu(self, npu_double):
         ng.Graph()  # starting the npu backend registers the handlers made before torch_npu was loaded
         registered = torch.npu.registered_handlers
-        assert registered["masked_mean.default"] is example.MaskedMeanHandler
-        assert registered["scaled.default"] is ScaledHandler
+        for name, ours in (("masked_mean.default", example.MaskedMeanHandler), ("scaled.default", ScaledHandler)):
+            # combined with torch_npu's base class, so that hooks ours lacks (record_wrap_kwarg) exist
+            assert issubclass(registered[name], ours) and issubclass(registered[name], torch.npu.NpuGraphOpHandler)
+            assert registered[name].UPDATE_SPECS == ours.UPDATE_SPECS
 
         @register_graph_handler(["later_op.default"])
         class Later(GraphOpHandler):
             UPDATE_SPECS = {"later_op.default": [("arg", 0, "n")]}
 
-        assert registered["later_op.default"] is Later
+        assert issubclass(registered["later_op.default"], Later)
+
+    def test_update_args_works_on_torch_npu_records(self):
+        class TorchNpuRecord:  # torch_npu's _GraphDispatchRecord: no op_name, the op is op_cache_entry
+            def __init__(self):
+                self.op_cache_entry = torch.ops.npugraph_demo.masked_mean.default
+                self.args, self.kwargs = (torch.zeros(1), [3, 3]), {}
+
+        record = TorchNpuRecord()
+        example.MaskedMeanHandler.update_args(record, {"lengths": [1, 2]})
+        assert record.args[1] == [1, 2]
 
 
 def _lightning_varlen(mode, graphed):
@@ -232,6 +259,13 @@ def test_lightning_module_provides_update_inputs(mode):
     assert callbacks[0].report()[0]["replays"] == 10
     for a, b in zip(graphed.parameters(), eager.parameters()):
         assert torch.equal(a, b)
+
+
+def test_callback_refuses_updates_on_cuda(cuda_double):
+    from .lightning_models import fit
+
+    with pytest.raises(MisconfigurationException, match="cuda backend does not have.*auto_dispatch_capture=False"):
+        fit(callbacks=[NPUGraphCallback(auto_dispatch_capture=True)], max_steps=2)
 
 
 def test_callback_needs_the_update_method():

@@ -280,16 +280,20 @@ def test_on_failure_eager_falls_back_to_eager_steps():
 
     def run(callbacks):
         torch.manual_seed(0)
-        t = trainer(callbacks, max_steps=8)
+        trace = Trace()
+        t = trainer([trace] + callbacks, max_steps=8)
         model = Reads()
         t.fit(model, *loaders())
-        return model, t
+        return model, t, trace.rows
 
-    eager, _ = run([])
+    eager, _, eager_trace = run([])
     callback = NPUGraphCallback(mode="whole_step", on_failure="eager")
     with pytest.warns(UserWarning, match="training step capture failed, runs eager.*loss.item"):
-        graphed, t = run([callback])
+        graphed, t, graphed_trace = run([callback])
     assert t.global_step == 8
+    _same_trace(eager_trace, graphed_trace)  # the fallback step logs like an eager one
     report = callback.report()[0]
     assert report["status"].startswith("capture failed") and report["replays"] == 0
+    assert report["eager_calls"] == {"capture failed (on_failure='eager')": 5}  # steps 3-7
+    assert report["signatures"] == []
     assert _same(eager, graphed)

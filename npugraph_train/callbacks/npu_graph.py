@@ -78,6 +78,11 @@ class NPUGraphCallback(Callback):
             rank_zero_warn("NPUGraphCallback(mode='off'): graph capture is off; training runs eager")
             return
         backend = get_backend(self.config.backend)
+        if self.config.auto_dispatch_capture and not backend.supports_update:
+            raise MisconfigurationException(
+                f"NPUGraphCallback(auto_dispatch_capture=True) needs graph updates, which the {backend.name} "
+                "backend does not have (npu and emulate do); set auto_dispatch_capture=False and re-capture per "
+                "host value (max_signatures), or pass such values as device tensors")
         if self.config.auto_dispatch_capture and not callable(getattr(pl_module, UPDATE_HOOK, None)):
             raise MisconfigurationException(
                 f"NPUGraphCallback(auto_dispatch_capture=True) needs {type(pl_module).__name__}.{UPDATE_HOOK}"

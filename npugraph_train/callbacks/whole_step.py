@@ -192,6 +192,7 @@ class WholeStepGrapher:
         module.log = self.logs
         self.graph = Graph(self.backend)
         progress = copy.deepcopy(loop.optim_progress.state_dict())
+        failure: Optional[GraphCaptureError] = None
         started = time.perf_counter()
         try:
             self.backend.synchronize()
@@ -199,17 +200,19 @@ class WholeStepGrapher:
                        auto_dispatch_capture=self.config.auto_dispatch_capture):
                 result = _AutomaticOptimization.run(loop, optimizer, batch_idx, static_kwargs)
         except GraphCaptureError as exc:
-            self.graph = None
-            if self.config.on_failure == "raise":
-                raise GraphCaptureError(f"capturing the training step failed: {exc}",
-                                        module_name="training_step") from exc
-            # Capture ran no kernels (the emulator undoes its own): only the step counters moved.
-            loop.optim_progress.load_state_dict(progress)
-            self.active, self.failed, self.status = False, True, f"capture failed, runs eager: {exc}"
-            rank_zero_warn(f"NPUGraphCallback(mode='whole_step'): the training step {self.status}")
-            return _AutomaticOptimization.run(loop, optimizer, batch_idx, kwargs)
+            failure = exc
         finally:
             del module.log
+        if failure is not None:
+            self.graph, self.signature = None, ()
+            if self.config.on_failure == "raise":
+                raise GraphCaptureError(f"capturing the training step failed: {failure}",
+                                        module_name="training_step") from failure
+            # Capture ran no kernels (the emulator undoes its own): only the step counters moved.
+            loop.optim_progress.load_state_dict(progress)
+            self.active, self.failed, self.status = False, True, f"capture failed, runs eager: {failure}"
+            rank_zero_warn(f"NPUGraphCallback(mode='whole_step'): the training step {self.status}")
+            return loop.eager_step(optimizer, batch_idx, kwargs, "capture failed (on_failure='eager')")
         self.capture_seconds = time.perf_counter() - started
         self.pool_bytes = self.graph.pool_bytes()
         if not result:
@@ -238,14 +241,14 @@ class WholeStepGrapher:
                     static.copy_(new, non_blocking=True)
         self.graph.replay()
         self.replays += 1
-        if self.static_grads and self.static_grads[0][0].grad is not self.static_grads[0][1]:
+        for p, g in self.static_grads:
             # zero_grad(set_to_none=True) (validation, eager steps) detached them; the graph still writes here
-            for p, g in self.static_grads:
+            if p.grad is not g:
                 p.grad = g
         self.logs.emit()
         return tree_map(_clone, self.static_result)
 
-    def eager_step(self, reason: str) -> None:
+    def count_eager(self, reason: str) -> None:
         if not self._warned:
             self._warned = True
             warnings.warn(f"npugraph_train: training step ran eager: {reason}. Later eager steps are only counted "
@@ -284,15 +287,16 @@ class _WholeStepOptimization(_AutomaticOptimization):
 
     def run(self, optimizer: Any, batch_idx: int, kwargs: OrderedDict) -> Dict[str, Any]:
         grapher = self.grapher
+        if grapher.failed:
+            return self.eager_step(optimizer, batch_idx, kwargs, "capture failed (on_failure='eager')")
         if not grapher.active:
-            return super().run(optimizer, batch_idx, kwargs)
+            return super().run(optimizer, batch_idx, kwargs)  # a warmup step
         leaves, spec = tree_flatten(kwargs["batch"])
         if grapher.graph is None:
             return grapher.capture(self, optimizer, batch_idx, kwargs, leaves, spec)
         if not grapher.matches(leaves, spec):
-            grapher.eager_step(f"batch {tuple(_leaf_key(l)[0] for l in leaves if isinstance(l, torch.Tensor))} "
-                               "differs from the captured one")
-            return super().run(optimizer, batch_idx, kwargs)
+            shapes = tuple(_leaf_key(leaf)[0] for leaf in leaves if isinstance(leaf, torch.Tensor))
+            return self.eager_step(optimizer, batch_idx, kwargs, f"batch {shapes} differs from the captured one")
         result = grapher.replay_step(self, leaves, kwargs["batch"])
         progress = self.optim_progress.optimizer
         progress.zero_grad.increment_ready()
@@ -301,3 +305,7 @@ class _WholeStepOptimization(_AutomaticOptimization):
         progress.step.increment_ready()
         progress.step.increment_completed()
         return result
+
+    def eager_step(self, optimizer: Any, batch_idx: int, kwargs: OrderedDict, reason: str) -> Dict[str, Any]:
+        self.grapher.count_eager(reason)
+        return super().run(optimizer, batch_idx, kwargs)

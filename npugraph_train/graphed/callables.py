@@ -205,18 +205,20 @@ class _CapturedSignature:
                         static.copy_(grad)
                 if sig.bwd_graph.is_captured:
                     sig.bwd_graph.replay()
-                # Returned as the static tensors themselves, not detached aliases: autograd then sees
-                # extra references and clones before storing into .grad or accumulating in place, so no
-                # gradient aliases a buffer that the next replay overwrites (torch issue #181723).
-                return sig.static_grad_inputs
+                # Clones, never the static buffers the next replay overwrites (torch issue #181723:
+                # accumulated .grad corrupted). When .grad is None, AccumulateGrad adopts the clone instead
+                # of copying, so the common case costs no extra copy.
+                return tuple(g.clone() if g is not None else None for g in sig.static_grad_inputs)
 
         return Graphed
 
-    def update(self, cpu_update_input: List[Dict[str, Any]]) -> None:
-        for g in (self.fwd_graph, self.bwd_graph):
+    def update(self, cpu_update_input: Union[List[Dict[str, Any]], Dict[str, List[Dict[str, Any]]]]) -> None:
+        per_graph = cpu_update_input if isinstance(cpu_update_input, dict) else {
+            "forward": cpu_update_input, "backward": cpu_update_input}
+        for phase, g in (("forward", self.fwd_graph), ("backward", self.bwd_graph)):
             count = g.backend.update_record_count(g.native) if g.is_captured else 0
-            if count is None or count > 0:
-                g.update(cpu_update_input)
+            if (count is None or count > 0) and phase in per_graph:
+                g.update(per_graph[phase])
 
     def __call__(self, flat_args: List[Optional[torch.Tensor]]) -> Any:
         out = self.function.apply(*(t for t in flat_args if isinstance(t, torch.Tensor)), *self.owner.params)
@@ -241,7 +243,7 @@ class GraphedCallable:
         self.max_signatures = max_signatures
         self.capture_error_mode = capture_error_mode
         self.auto_dispatch_capture = auto_dispatch_capture
-        self._pending_update: Optional[List[Dict[str, Any]]] = None
+        self._pending_update: Any = None
         self.is_module = isinstance(func, nn.Module)
         self.params: Tuple[torch.Tensor, ...] = tuple(func.parameters()) if self.is_module else ()
         self.training = func.training if self.is_module else None
@@ -284,17 +286,18 @@ class GraphedCallable:
         self.stats[key].replays += 1
         return sig(flat)
 
-    def update(self, cpu_update_input: List[Dict[str, Any]]) -> None:
+    def update(self, cpu_update_input: Union[List[Dict[str, Any]], Dict[str, List[Dict[str, Any]]]]) -> None:
         """New host arguments for the updatable ops of the next call's forward and backward graphs.
 
-        Call it before every call (``make_graphed_callables(..., auto_dispatch_capture=True)``); the list
-        applies to the forward graph's updatable ops in capture order and to the backward graph's
-        likewise (a one-element list to all of them).
+        Call it before every call (``make_graphed_callables(..., auto_dispatch_capture=True)``). A list
+        applies to the forward graph's updatable ops in capture order and to the backward graph's likewise
+        (a one-element list to all of them); ``{"forward": [...], "backward": [...]}`` gives each graph its
+        own list, for when the two capture different numbers of updatable ops.
         """
         if not self.auto_dispatch_capture:
             raise GraphStateError(f"{self.name}: update() needs make_graphed_callables(..., "
                                   "auto_dispatch_capture=True)")
-        self._pending_update = list(cpu_update_input)
+        self._pending_update = cpu_update_input
 
     def _eager(self, reason: str, args: tuple, kwargs: dict) -> Any:
         # Eval-mode calls are eager by design (validation); anything else is worth one warning.
@@ -418,6 +421,12 @@ def _check_callable(func: Callable, name: str, flat_args: List[Any], backend: Ba
     def refuse(message: str) -> GraphCaptureError:
         return GraphCaptureError(message, module_name=name)
 
+    global_hooks = [kind for kind in ("_global_forward_hooks", "_global_forward_pre_hooks", "_global_backward_hooks",
+                                      "_global_backward_pre_hooks") if getattr(nn.modules.module, kind, None)]
+    if global_hooks:
+        raise refuse(f"{name}: global module hooks are registered ({', '.join(h.strip('_') for h in global_hooks)}, "
+                     "e.g. by torch.nn.modules.module.register_module_forward_hook); they would run once at "
+                     "capture and never on replay. Remove them before graphing")
     if isinstance(func, nn.Module):
         if isinstance(getattr(func, "__dict__", {}).get("forward"), GraphedForward):
             raise GraphStateError(f"{name} is already graphed; call npugraph_train.graphed.ungraph({name}) first")
@@ -463,7 +472,8 @@ def make_graphed_callables(
             Replays of callables sharing a pool must follow that order (forwards in order, backwards in
             reverse), as in a training step.
         sample_args: a tuple of tensors per callable (a tuple of such tuples for several callables).
-        num_warmup_iters: eager iterations on a side stream before capture (11 under DDP).
+        num_warmup_iters: eager iterations on a side stream before capture (their RNG use and buffer
+            updates are undone).
         allow_unused_input: passed to ``torch.autograd.grad`` in warmup and backward capture.
         pool: a pool handle to capture into; a new one by default.
         sample_kwargs: keyword tensor arguments per callable.

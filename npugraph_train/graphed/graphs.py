@@ -29,6 +29,7 @@ import threading
 from typing import Any, ContextManager, Dict, List, Optional, Union
 
 from .backends import CAPTURE_ERROR_MODES, Backend, get_backend
+from .backends.base import NO_UPDATE
 from .errors import GraphCaptureError, GraphStateError
 
 _EMPTY, _CAPTURING, _CAPTURED, _FAILED = "empty", "capturing", "captured", "failed"
@@ -66,8 +67,8 @@ class Graph:
                     "leave its `with graph(...)` block) before starting a new one")
             if self._state != _EMPTY:
                 raise GraphStateError(
-                    f"this graph already holds a {self._state} capture; call reset() before capturing "
-                    "into it again, or create a new Graph")
+                    f"this graph already holds a {'failed ' if self._state == _FAILED else ''}capture; call "
+                    "reset() before capturing into it again, or create a new Graph")
             _active_capture = self
             self._state = _CAPTURING
             self._updated, self._replay_done = False, None
@@ -184,16 +185,20 @@ class graph:
         if not isinstance(npu_graph, Graph):
             raise TypeError(f"graph() needs an npugraph_train.graphed.Graph, got {type(npu_graph).__name__}")
         _check_capture_error_mode(capture_error_mode)
+        if auto_dispatch_capture and not npu_graph.backend.supports_update:
+            raise NotImplementedError(f"auto_dispatch_capture=True on the {npu_graph.backend.name} backend: it "
+                                      f"{NO_UPDATE}")
         self.npu_graph = npu_graph
-        self._ctx = npu_graph.backend.graph_context(
-            npu_graph.native, pool=pool, stream=stream, capture_error_mode=capture_error_mode,
-            auto_dispatch_capture=auto_dispatch_capture)
-        npu_graph._auto_dispatch = auto_dispatch_capture
+        self._options = dict(pool=pool, stream=stream, capture_error_mode=capture_error_mode,
+                             auto_dispatch_capture=auto_dispatch_capture)
 
     def __enter__(self) -> None:
         self.npu_graph._start_capture()
         try:
+            # Made only now: torch_npu's graph() sets flags on the graph, which a refused capture must not.
+            self._ctx = self.npu_graph.backend.graph_context(self.npu_graph.native, **self._options)
             self._ctx.__enter__()
+            self.npu_graph._auto_dispatch = self._options["auto_dispatch_capture"]
         except BaseException:
             self.npu_graph._finish_capture(ok=False)
             raise

@@ -37,6 +37,8 @@ class GraphOpHandler:
     ``UPDATE_SPECS`` maps an op name (``OpOverload.__name__``, e.g. ``"my_op.default"``) to the host
     arguments an update may set: ``("arg", index, key)`` for a positional argument, ``("kwarg", name, key)``
     for a keyword one. Keyword arguments the op received at capture can also be updated by their name.
+    If ``prepare_capture`` rewrites the op (e.g. to ``my_op.out``), give specs for the rewritten name too.
+    On npu the handler is registered with torch_npu combined with its ``NpuGraphOpHandler`` base.
     """
 
     UPDATE_SPECS: ClassVar[Dict[str, List[UpdateSpec]]] = {}
@@ -58,7 +60,8 @@ class GraphOpHandler:
     def update_args(cls, record: Any, update_input: Dict[str, Any]) -> None:
         """Write the update's values into the record's positional and keyword arguments."""
         args = list(record.args)
-        for kind, where, key in cls.get_update_specs(record.op_name):
+        # torch_npu's records know their op only as op_cache_entry (after prepare_capture's rewrite).
+        for kind, where, key in cls.get_update_specs(record.op_cache_entry.__name__):
             if key not in update_input:
                 continue
             if kind == "arg" and isinstance(where, int) and len(args) > where:
@@ -85,8 +88,13 @@ def register_graph_handler(op_names: Union[str, Iterable[str]]) -> Callable[[Typ
 def _register_with_torch_npu(names: List[str], handler: Type[GraphOpHandler]) -> None:
     # Only if torch_npu is already loaded: registering must not import it (the npu backend calls
     # sync_with_torch_npu when it starts, for handlers registered before).
-    if "torch_npu" in sys.modules and hasattr(getattr(torch, "npu", None), "register_npu_graph_handler"):
-        torch.npu.register_npu_graph_handler(names)(handler)
+    npu = getattr(torch, "npu", None)
+    if "torch_npu" in sys.modules and hasattr(npu, "register_npu_graph_handler"):
+        base = getattr(npu, "NpuGraphOpHandler", None)
+        if base is not None and not issubclass(handler, base):
+            # torch_npu's base supplies the hooks its dispatch mode calls that ours does not define.
+            handler = type(handler.__name__, (handler, base), {"__module__": handler.__module__})
+        npu.register_npu_graph_handler(names)(handler)
 
 
 def sync_with_torch_npu() -> None:
@@ -109,18 +117,21 @@ def handler_for(func: Any, args: tuple, kwargs: dict) -> Optional[Type[GraphOpHa
 class DispatchRecord:
     """One captured updatable op: its (updatable) arguments and the keys an update may set."""
 
-    def __init__(self, op_name: str, func: Any, args: tuple, kwargs: dict, handler: Type[GraphOpHandler]) -> None:
-        self.op_name = op_name
+    def __init__(self, func: Any, args: tuple, kwargs: dict, handler: Type[GraphOpHandler]) -> None:
         self.op_cache_entry = func
         self.args = args
         self.kwargs = kwargs
         self.handler = handler
-        specs = handler.get_update_specs(op_name)
+        specs = handler.get_update_specs(self.op_name)
         self.updatable: Set[str] = set(kwargs) | {
             key for kind, where, key in specs
             if (kind == "arg" and isinstance(where, int) and len(args) > where) or (kind == "kwarg" and where in kwargs)}
         # Values left at their default at capture never reach the op's record (the dispatcher drops them).
         self.missing: Set[str] = {key for _, _, key in specs} - self.updatable
+
+    @property
+    def op_name(self) -> str:
+        return self.op_cache_entry.__name__
 
     def run(self) -> Any:
         return self.op_cache_entry(*self.args, **self.kwargs)

@@ -108,6 +108,13 @@ class CapturableSGD(SGD):
         return loss
 
 
+# torch wraps an optimizer class's step() with the step hooks when an instance is made (or unpickled).
+# CapturableSGD's instances are made by changing __class__, so wrap its step here; the mixin's step only
+# delegates to a wrapped step, so it is marked as wrapped to keep hooks from running twice.
+CapturableSGD.step = Optimizer.profile_hook_step(CapturableSGD.step)  # type: ignore[method-assign]
+CapturableSGD.step.hooked = True  # type: ignore[attr-defined]
+CapturableOptimizer.step.hooked = True  # type: ignore[attr-defined]
+
 _classes: Dict[Type[Optimizer], Type[Optimizer]] = {}
 
 

@@ -16,6 +16,7 @@ class Backend(ABC):
 
     name: str
     device_type: str
+    supports_update = False  # graph(..., auto_dispatch_capture=True) and Graph.update()
 
     @classmethod
     @abstractmethod

@@ -12,7 +12,7 @@ from typing import Any, ContextManager, Dict, List, Optional, Tuple
 
 import torch
 
-from .base import NO_UPDATE, Backend
+from .base import Backend
 
 
 class _DeviceModuleBackend(Backend):
@@ -69,8 +69,6 @@ class CUDABackend(_DeviceModuleBackend):
 
     def graph_context(self, native_graph: Any, *, pool: Any, stream: Any, capture_error_mode: str,
                       auto_dispatch_capture: bool) -> ContextManager:
-        if auto_dispatch_capture:
-            raise NotImplementedError(f"auto_dispatch_capture=True on the cuda backend: it {NO_UPDATE}")
         return torch.cuda.graph(cuda_graph=native_graph, pool=pool, stream=stream,
                                 capture_error_mode=capture_error_mode)
 
@@ -79,6 +77,7 @@ class NPUBackend(_DeviceModuleBackend):
     name = "npu"
     device_type = "npu"
     graph_class_name = "NPUGraph"
+    supports_update = True
 
     @classmethod
     def probe(cls) -> Optional[str]:

@@ -15,8 +15,9 @@ What it models, as a device graph behaves:
   created by the capture are filled with NaN (reading an output before the first replay shows up),
   and torch's CPU RNG state is restored (capture draws no random numbers).
 - Random ops draw new numbers on every replay, from torch's CPU generator.
-- Ops that make the host wait for device data (``.item()``, ``.tolist()``, ``.numpy()``, ``bool(t)``,
-  ``nonzero``, ``torch.equal``, ops with data-dependent output shapes) raise ``GraphCaptureError``
+- Ops that make the host wait for device data (``.item()``, ``.tolist()``, ``.numpy()``, ``.cpu()``,
+  ``bool(t)``, printing a tensor, ``nonzero``, ``torch.equal``, ops with data-dependent output shapes,
+  ``synchronize()``) raise ``GraphCaptureError``
   naming the op and the user's source line. So does ``torch.tensor(...)``/``as_tensor`` of host data
   with at least one dimension, which on a device is a host-to-device copy that breaks capture (0-dim
   values pass: kernels take such scalars from the host at capture time).
@@ -28,7 +29,8 @@ What it models, as a device graph behaves:
 
 What it does not model: asynchrony and stream ordering (everything runs in order on the CPU), memory
 sharing between graphs of one pool (each capture keeps its own tensors alive), captures on other
-threads (``capture_error_mode`` is validated but other threads are not watched), device-specific kernel
+threads (``capture_error_mode`` is validated but other threads are not watched), ``.to("cpu")`` (a
+no-op on CPU tensors, a device-to-host copy on a device), device-specific kernel
 limits (aclop-only ops, dynamic-shape kernels, stream budgets) and numerical differences between
 device kernels. Explicit ``torch.Generator`` objects are not rewound at ``capture_end``.
 """
@@ -61,7 +63,9 @@ _HOST_SYNC_OPS = {torch.ops.aten.is_nonzero.default}
 _HOST_DATA_OPS = {torch.ops.aten.lift_fresh.default, torch.ops.aten.lift_fresh_copy.default}
 # Ops that write arguments their schema does not mark as written (argument positions).
 _UNANNOTATED_WRITES = {torch.ops.aten.native_batch_norm.default: (3, 4)}
-_HOST_READ_METHODS = {torch.Tensor.tolist, torch.Tensor.numpy, torch.Tensor.__array__}
+# Tensor methods that read data on the host without dispatching an ATen op (printing disables modes).
+_HOST_READ_METHODS = {torch.Tensor.tolist, torch.Tensor.numpy, torch.Tensor.__array__, torch.Tensor.__repr__,
+                      torch.Tensor.__str__, torch.Tensor.__format__, torch.Tensor.cpu}
 
 _SKIP_DIRS = tuple(os.path.dirname(p) + os.sep for p in (torch.__file__, __file__.rsplit(os.sep, 3)[0] + os.sep))
 _STDLIB = sysconfig.get_paths()["stdlib"] + os.sep
@@ -134,7 +138,8 @@ class _HostReadGuard(TorchFunctionMode):
 
     def __torch_function__(self, func: Callable, types: Any, args: tuple = (), kwargs: Optional[dict] = None):
         if func in _HOST_READ_METHODS:
-            raise _capture_error(f"Tensor.{func.__name__}() reads tensor data on the host")
+            what = "printing a tensor" if func.__name__.startswith("__") else f"Tensor.{func.__name__}()"
+            raise _capture_error(f"{what} reads tensor data on the host")
         return func(*args, **(kwargs or {}))
 
 
@@ -235,7 +240,7 @@ class EmulatedGraph:
         actual, args, kwargs = handler.prepare_capture(func, args, kwargs)
         # Host values are copied (the caller may change its list later); tensors are the captured ones.
         host_copy = lambda v: v if isinstance(v, torch.Tensor) else copy.deepcopy(v)  # noqa: E731
-        record = DispatchRecord(func.__name__, actual, tree_map(host_copy, tuple(args)),
+        record = DispatchRecord(actual, tree_map(host_copy, tuple(args)),
                                 tree_map(host_copy, dict(kwargs)), handler)
         if record.missing:
             warnings.warn(f"npugraph_train: {func} was captured without {', '.join(sorted(record.missing))} (left "
@@ -308,9 +313,10 @@ class _EmulatedGraphContext:
         self.pool = pool
         self.stream_ctx = _stream(stream if stream is not None else self.default_capture_stream)
         self.capture_error_mode = capture_error_mode
-        graph.auto_dispatch_capture = auto_dispatch_capture
+        self.auto_dispatch_capture = auto_dispatch_capture
 
     def __enter__(self) -> None:
+        self.graph.auto_dispatch_capture = self.auto_dispatch_capture
         self.stream_ctx.__enter__()
         try:
             self.graph.capture_begin(pool=self.pool, capture_error_mode=self.capture_error_mode)
@@ -328,6 +334,7 @@ class _EmulatedGraphContext:
 class EmulateBackend(Backend):
     name = "emulate"
     device_type = "cpu"
+    supports_update = True
 
     @classmethod
     def probe(cls) -> Optional[str]:
@@ -356,7 +363,8 @@ class EmulateBackend(Backend):
         return _stream(stream)
 
     def synchronize(self) -> None:
-        pass
+        if self.is_current_stream_capturing():
+            raise _capture_error("synchronize() waits for the device")
 
     def pool_bytes(self, native_graph: Any) -> Optional[int]:
         return native_graph.captured_bytes
