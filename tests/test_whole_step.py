@@ -19,6 +19,11 @@ class Scheduled(Regressor):
         super().__init__(**kwargs)
         self.optimizer_kind, self.schedule, self.convert = optimizer, schedule, convert
 
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        self.log("train_loss_epoch_mean", loss * 2, on_step=False, on_epoch=True, prog_bar=True)
+        return loss
+
     def configure_optimizers(self):
         if self.optimizer_kind == "sgd":
             opt = torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9, nesterov=True, weight_decay=1e-3)
@@ -41,6 +46,10 @@ class Trace(Callback):
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         self.rows.append((trainer.global_step, trainer.callback_metrics["train_loss"].clone(),
                           outputs["loss"].clone(), float(trainer.optimizers[0].param_groups[0]["lr"])))
+
+    def on_train_epoch_end(self, trainer, pl_module):
+        self.rows.append((trainer.global_step, trainer.callback_metrics["train_loss_epoch_mean"].clone(),
+                          torch.zeros(()), 0.0))
 
 
 def _run(model_kwargs, graphed, seed=0, **trainer_kwargs):

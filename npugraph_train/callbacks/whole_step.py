@@ -68,12 +68,27 @@ class _LogRecorder:
         self.calls.append((fx, name, value, args, kwargs))
 
     def emit(self) -> None:
+        """Log the static tensors' values of this step, as the captured calls did at capture."""
         module = self.module
+        trainer = module.trainer
+        results, connector = trainer._results, trainer._logger_connector
         previous = module._current_fx_name
         try:
             for fx, name, value, args, kwargs in self.calls:
-                module._current_fx_name = fx
-                module.log(name, value, *args, **kwargs)
+                key = f"{fx}.{name}"
+                if args or results.dataloader_idx is not None or key not in results:
+                    module._current_fx_name = fx
+                    module.log(name, value, *args, **kwargs)
+                    continue
+                # The metric exists (validated and placed on the device by a full log call): do only what
+                # LightningModule.log does per value (lightning 2.6), skipping its per-call checks and device
+                # moves, about 0.3 ms per call on the replay path.
+                if connector.should_reset_tensors(fx):
+                    results.reset(metrics=False, fx=fx)
+                metric = results[key]
+                batch_size = results._extract_batch_size(metric, kwargs.get("batch_size"), metric.meta)
+                results.update_metrics(key, value.clone().detach(), batch_size)
+                connector._current_fx = fx
         finally:
             module._current_fx_name = previous
 
