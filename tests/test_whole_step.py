@@ -306,3 +306,11 @@ def test_on_failure_eager_falls_back_to_eager_steps():
     assert report["eager_calls"] == {"capture failed (on_failure='eager')": 5}  # steps 3-7
     assert report["signatures"] == []
     assert _same(eager, graphed)
+
+
+def test_bf16_mixed_parity():
+    eager, eager_trace, _ = _run({"optimizer": "adamw"}, None, max_steps=12, precision="bf16-mixed")
+    graphed, graphed_trace, t = _run({"optimizer": "adamw"}, {}, max_steps=12, precision="bf16-mixed")
+    assert t.callbacks[-1].report()[0]["replays"] == 8
+    assert _same(eager, graphed)
+    _same_trace(eager_trace, graphed_trace)

@@ -34,12 +34,11 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 from ..config import NPUGraphConfig
-from .whole_step import UPDATE_HOOK
 from ..graphed import get_backend
 from ..optim import make_capturable
 from .report import format_report
 from .submodules import SubmoduleGrapher
-from .whole_step import WholeStepGrapher
+from .whole_step import UPDATE_HOOK, WholeStepGrapher
 
 
 class NPUGraphCallback(Callback):
@@ -51,8 +50,8 @@ class NPUGraphCallback(Callback):
                  auto_dispatch_capture: bool = False, convert_optimizers: bool = True,
                  log_report: bool = True) -> None:
         self.config = NPUGraphConfig(
-            mode=mode, warmup_steps=warmup_steps, modules=[] if modules is None else modules, modules_only=modules_only,
-            num_warmup_iters=num_warmup_iters, backend=backend, on_failure=on_failure,
+            mode=mode, warmup_steps=warmup_steps, modules=[] if modules is None else modules,
+            modules_only=modules_only, num_warmup_iters=num_warmup_iters, backend=backend, on_failure=on_failure,
             max_signatures=max_signatures, capture_error_mode=capture_error_mode,
             auto_dispatch_capture=auto_dispatch_capture, convert_optimizers=convert_optimizers,
             log_report=log_report)
@@ -117,7 +116,6 @@ class NPUGraphCallback(Callback):
             self._grapher.start_recording()
         elif self._step == self.config.warmup_steps:
             self._grapher.capture(trainer.precision_plugin.forward_context())
-            self._fits_captured += 1
         if self._step >= self.config.warmup_steps and self.config.auto_dispatch_capture:
             self._grapher.update(getattr(pl_module, UPDATE_HOOK)(batch))
 
@@ -128,6 +126,8 @@ class NPUGraphCallback(Callback):
             self._grapher.stop_recording()
 
     def on_train_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        if any(row["status"] == "graphed" for row in self.report()):
+            self._fits_captured += 1
         # Before strategy.teardown moves the module: captured graphs hold the device addresses.
         self._release(trainer)
         if self.config.log_report and self.report():
@@ -159,6 +159,7 @@ class NPUGraphCallback(Callback):
         return format_report(self.report(), mode=self.config.mode, backend=backend)
 
     def state_dict(self) -> Dict[str, Any]:
+        # Graphs cannot be checkpointed (a resumed fit captures anew); what carries over is the history.
         return {"fits_captured": self._fits_captured}
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:

@@ -125,7 +125,8 @@ class DispatchRecord:
         specs = handler.get_update_specs(self.op_name)
         self.updatable: Set[str] = set(kwargs) | {
             key for kind, where, key in specs
-            if (kind == "arg" and isinstance(where, int) and len(args) > where) or (kind == "kwarg" and where in kwargs)}
+            if (kind == "arg" and isinstance(where, int) and len(args) > where)
+            or (kind == "kwarg" and where in kwargs)}
         # Values left at their default at capture never reach the op's record (the dispatcher drops them).
         self.missing: Set[str] = {key for _, _, key in specs} - self.updatable
 
