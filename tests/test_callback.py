@@ -161,6 +161,7 @@ def test_on_failure_eager_leaves_that_module_eager():
     status = {row["module"]: row for row in callback.report()}
     assert status["blocks.0"]["status"] == "graphed" and status["blocks.0"]["replays"] == 9
     assert status["sync"]["status"].startswith("capture failed") and status["sync"]["replays"] == 0
+    assert status["sync"]["eager_calls"] == {"capture failed": 10}  # steps 2-11 (validation not counted)
     assert _same_params(eager, model)
 
 

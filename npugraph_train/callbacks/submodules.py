@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import fnmatch
+from collections import Counter
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
@@ -57,6 +58,9 @@ class SubmoduleGrapher:
         self._order: List[str] = []
         self._hooks: List[Any] = []
         self._last_report: List[Dict[str, Any]] = []
+        # Modules left eager (capture failed, or not called while recording): training calls counted.
+        self._eager_counts: Dict[str, Counter] = {}
+        self._count_hooks: List[Any] = []
 
     def setup(self, model: nn.Module) -> None:
         self.modules = select_modules(model, self.config)
@@ -126,10 +130,21 @@ class SubmoduleGrapher:
     def _fail(self, name: str, why: str) -> None:
         self.status[name] = why
         rank_zero_warn(f"NPUGraphCallback: {name} {why}")
+        reason = why.split(",")[0].split(" (")[0]
+        counts = self._eager_counts[name] = Counter()
+
+        def count(module: nn.Module, args: tuple) -> None:
+            if module.training:
+                counts[reason] += 1
+
+        self._count_hooks.append(dict(self.modules)[name].register_forward_pre_hook(count))
 
     def release(self) -> None:
         """Restore the original forwards; keep the final counters for :meth:`report`."""
         self.stop_recording()
+        for hook in self._count_hooks:
+            hook.remove()
+        self._count_hooks = []
         if any(graphed_state(module) is not None for _, module in self.modules):
             self._last_report = self.report()
         for _, module in self.modules:
@@ -143,7 +158,7 @@ class SubmoduleGrapher:
             if state is None:
                 previous = next((r for r in self._last_report if r["module"] == name), None)
                 rows.append(previous or {"module": name, "status": self.status.get(name, ""), "signatures": [],
-                                         "replays": 0, "eager_calls": {}})
+                                         "replays": 0, "eager_calls": dict(self._eager_counts.get(name, {}))})
                 continue
             data = state.report()
             rows.append({"module": name, "status": self.status[name], "signatures": data["signatures"],
