@@ -56,7 +56,8 @@ class _LogRecorder:
 
     def __init__(self, module: "pl.LightningModule") -> None:
         self.module = module
-        self.calls: List[Tuple[Optional[str], str, Any, tuple, dict]] = []
+        # (hook name, metric name, result-collection key, static value, args, kwargs)
+        self.calls: List[Tuple[Optional[str], str, str, Any, tuple, dict]] = []
 
     def __call__(self, name: str, value: Any, *args: Any, **kwargs: Any) -> None:
         fx = self.module._current_fx_name
@@ -65,7 +66,7 @@ class _LogRecorder:
                 f"whole_step: {fx} logs {name!r} as a {type(value).__name__}; a captured step would log the "
                 "capture step's value forever. Log a tensor (e.g. self.log(name, loss.detach())), or log "
                 "outside the training step (on_train_batch_end)")
-        self.calls.append((fx, name, value, args, kwargs))
+        self.calls.append((fx, name, f"{fx}.{name}", value, args, kwargs))
 
     def emit(self) -> None:
         """Log the static tensors' values of this step, as the captured calls did at capture."""
@@ -74,8 +75,7 @@ class _LogRecorder:
         results, connector = trainer._results, trainer._logger_connector
         previous = module._current_fx_name
         try:
-            for fx, name, value, args, kwargs in self.calls:
-                key = f"{fx}.{name}"
+            for fx, name, key, value, args, kwargs in self.calls:
                 if args or results.dataloader_idx is not None or key not in results:
                     module._current_fx_name = fx
                     module.log(name, value, *args, **kwargs)
@@ -210,7 +210,6 @@ class WholeStepGrapher:
         failure: Optional[GraphCaptureError] = None
         started = time.perf_counter()
         try:
-            self.backend.synchronize()
             with graph(self.graph, capture_error_mode=self.config.capture_error_mode,
                        auto_dispatch_capture=self.config.auto_dispatch_capture):
                 result = _AutomaticOptimization.run(loop, optimizer, batch_idx, static_kwargs)
