@@ -187,12 +187,12 @@ def main(argv: List[str]) -> None:
         output["targets"] += checks
         print()
         print(model_table(rows, columns))
+        write_json(args.json, output)  # after each model: a run cut short by a time limit keeps what it measured
     if output["targets"]:
         print("\nGPU targets" + (" (not judged on the emulator)" if device.is_emulator else "") + ":")
         print(targets_table(output["targets"]))
     if device.is_emulator:
         print("\n" + EMULATOR_NOTE)
-    write_json(args.json, output)
 
 
 def run_sweep(args: argparse.Namespace, device: Device, plan: StepPlan, size: str, specs: Dict[str, Any],
@@ -210,14 +210,16 @@ def run_sweep(args: argparse.Namespace, device: Device, plan: StepPlan, size: st
     else:
         print(f"capture stops paying (< 1.05x) from batch {limit} on" if limit is not None
               else "capture pays (>= 1.05x) at every batch size measured")
+    sweep: Dict[str, Any] = {"model": vars(spec), "batch": b_rows, "stops_paying_at_batch": limit, "modules": None}
+    write_json(args.json, {"meta": meta, "sweep": sweep})
     print(f"\n== sweep 2: capture cost vs number of graphed modules, mlp ({spec.describe()})", flush=True)
     m_rows = module_sweep(spec, counts, device, plan, log=lambda s: print(s, flush=True))
     print()
     print(module_table(m_rows))
     if device.is_emulator:
         print("\n" + EMULATOR_NOTE)
-    write_json(args.json, {"meta": meta, "sweep": {"model": vars(spec), "batch": b_rows, "stops_paying_at_batch":
-                                                   limit, "modules": m_rows}})
+    sweep["modules"] = m_rows
+    write_json(args.json, {"meta": meta, "sweep": sweep})
 
 
 def write_json(path: Any, data: Dict[str, Any]) -> None:
