@@ -247,3 +247,20 @@ class TestConfig:
     def test_two_instances_have_distinct_state_keys(self):
         a, b = NPUGraphCallback(), NPUGraphCallback(modules=["head"])
         assert a.state_key != b.state_key
+
+
+def test_capture_waits_when_the_recorded_batch_is_short():
+    # 9 batches per epoch, the 9th short: warmup_steps=9 records step 8's short batch. Step 9 is full, so it
+    # records again and step 10 captures the full shape; the short batches (steps 17, 26, 35) run eager.
+    eager, _ = fit()
+    callback = NPUGraphCallback(warmup_steps=9)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        graphed, t = fit(callbacks=[callback])
+    assert _same_params(eager, graphed)
+    waits = [w for w in caught if "capture waits" in str(w.message)]
+    assert len(waits) == 1 and "float32[6, 4]" in str(waits[0].message)
+    for row in callback.report():
+        assert [s["description"] for s in row["signatures"]] == ["(float32[8, 8]*)"]  # *: requires grad
+        assert row["replays"] == 36 - 10 - 3
+        assert sum(n for r, n in row["eager_calls"].items() if "6, 8" in r) == 3

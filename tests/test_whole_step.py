@@ -314,3 +314,31 @@ def test_bf16_mixed_parity():
     assert t.callbacks[-1].report()[0]["replays"] == 8
     assert _same(eager, graphed)
     _same_trace(eager_trace, graphed_trace)
+
+
+def test_capture_waits_for_a_batch_shaped_like_the_previous_one():
+    # warmup_steps=8: step 8 is the epoch's short batch, and step 9 is shaped unlike step 8; both run eager
+    # and step 10 captures the full shape. The short batches of steps 17, 26 and 35 run eager as usual.
+    eager, eager_trace, _ = _run({}, None)
+    graphed, graphed_trace, t = _run({}, {"warmup_steps": 8})
+    assert _same(eager, graphed)
+    _same_trace(eager_trace, graphed_trace)
+    report = t.callbacks[-1].report()[0]
+    assert [s["description"] for s in report["signatures"]] == ["(float32[8, 4], float32[8, 1])"]
+    assert report["replays"] == 36 - 10 - 3
+    assert report["eager_calls"] == {"capture waits for a batch shaped like the previous one": 2,
+                                     "batch (float32[6, 4], float32[6, 1]) differs from the captured one": 3}
+
+
+def test_capture_waits_at_most_two_steps():
+    # Every batch shaped unlike the one before it: capture after two waiting steps anyway.
+    torch.manual_seed(0)
+    data = [(torch.randn(n, 4), torch.randn(n, 1)) for n in (8, 6, 7, 5, 8, 6, 7, 5, 8, 6)]
+    model = Scheduled()
+    t = trainer([NPUGraphCallback(mode="whole_step", warmup_steps=2)], max_steps=10, val_check_interval=None,
+                limit_val_batches=0)
+    t.fit(model, torch.utils.data.DataLoader(data, batch_size=None))
+    report = t.callbacks[-1].report()[0]
+    assert report["signatures"][0]["description"] == "(float32[8, 4], float32[8, 1])"  # step 4
+    assert report["eager_calls"]["capture waits for a batch shaped like the previous one"] == 2
+    assert report["replays"] == 2  # steps 4 and 8

@@ -13,7 +13,8 @@
 
 In ``submodules`` mode, the last warmup step records the real inputs of every marked submodule (shapes,
 dtypes, requires_grad, keyword arguments, call order); the next step captures their forward and backward
-in that order into one pool, under the precision plugin's autocast. Validation, test and predict run the
+in that order into one pool, under the precision plugin's autocast. If that step's batch is shaped unlike
+the recorded one (an epoch's short last batch on either side), it records again and capture waits a step. Validation, test and predict run the
 modules eager (eval mode); calls that do not fit a graph run eager and are counted in the report.
 
 In ``whole_step`` mode, the optimizer is made capture-safe at fit start (:mod:`npugraph_train.optim`),
@@ -112,10 +113,9 @@ class NPUGraphCallback(Callback):
             return
         if self._grapher is None or not self._grapher.modules:
             return
-        if self._step == self.config.warmup_steps - 1:
-            self._grapher.start_recording()
-        elif self._step == self.config.warmup_steps:
-            self._grapher.capture(trainer.precision_plugin.forward_context())
+        if self._step >= self.config.warmup_steps - 1 and not self._grapher.captured:
+            self._grapher.record_or_capture(batch, self._step >= self.config.warmup_steps,
+                                            trainer.precision_plugin.forward_context())
         if self._step >= self.config.warmup_steps and self.config.auto_dispatch_capture:
             self._grapher.update(getattr(pl_module, UPDATE_HOOK)(batch))
 

@@ -15,6 +15,7 @@ from ..config import NPUGraphConfig
 from ..graphed import GraphCaptureError, graph_safe_modules, graphed_state, make_graphed_callables, ungraph
 from ..graphed.backends import Backend
 from ..graphed.marker import GraphSafeOptions, merge_options
+from .batch import BatchKey, describe, key_of, ready_to_capture
 
 
 def select_modules(model: nn.Module, config: NPUGraphConfig) -> List[Tuple[str, nn.Module]]:
@@ -54,8 +55,11 @@ class SubmoduleGrapher:
         self.backend = backend
         self.modules: List[Tuple[str, nn.Module]] = []
         self.status: Dict[str, str] = {}
+        self.captured = False
         self._samples: Dict[str, Tuple[tuple, dict]] = {}
         self._order: List[str] = []
+        self._recorded_key: Optional[BatchKey] = None
+        self._capture_delay = 0
         self._hooks: List[Any] = []
         self._last_report: List[Dict[str, Any]] = []
         # Modules left eager (capture failed, or not called while recording): training calls counted.
@@ -70,6 +74,21 @@ class SubmoduleGrapher:
                            "eager. Mark capture-safe submodules with @npugraph_train.graph_safe.")
 
     # recording -----------------------------------------------------------------------------------
+    def record_or_capture(self, batch: Any, warmed_up: bool, forward_context: Any) -> None:
+        """At the start of a step: capture what the previous step recorded if this batch is shaped like
+        that step's (see :mod:`.batch`), else record this step's inputs."""
+        key = key_of(batch)
+        if warmed_up and ready_to_capture(key, self._recorded_key, self._capture_delay):
+            self.capture(forward_context)
+            return
+        if warmed_up:
+            self._capture_delay += 1
+            rank_zero_warn(f"NPUGraphCallback: this step's batch {describe(key)} is shaped unlike the "
+                           f"previous step's {describe(self._recorded_key)}; capture waits for a batch "
+                           "shaped like the one before it, so that a short last batch is not the shape captured")
+        self._recorded_key = key
+        self.start_recording()
+
     def start_recording(self) -> None:
         self._samples, self._order = {}, []
         for name, module in self.modules:
@@ -87,6 +106,7 @@ class SubmoduleGrapher:
     # capture -------------------------------------------------------------------------------------
     def capture(self, forward_context: Any) -> None:
         """Capture every recorded module, in call order, into one pool, under ``forward_context``."""
+        self.captured = True
         modules = dict(self.modules)
         for name in modules:
             if name not in self._samples:

@@ -1,13 +1,13 @@
 """Whole-step mode: training_step, zero_grad, backward, clipping and optimizer.step captured as one graph.
 
 The capture point is Lightning's automatic-optimization loop: ``run(optimizer, batch_idx, kwargs)`` sees
-the batch, the closure and the progress counters in one place. After the warmup steps, one step runs
-under capture with the batch copied into static buffers; every later step copies the new batch into
-those buffers, replays, and does Lightning's bookkeeping (progress counters, ``self.log`` values from the
-static tensors, the returned loss). A batch of another structure, shape or dtype runs as an ordinary
-eager step. Per-step host work on the replay path is: one ``tree_flatten`` of the batch and a comparison
-of its leaves, the copies, ``replay()``, five counter increments, the recorded ``log`` calls and a clone
-of the step's outputs.
+the batch, the closure and the progress counters in one place. After the warmup steps, the first step
+whose batch is shaped like the previous step's (:mod:`.batch`) runs under capture with the batch copied
+into static buffers; every later step copies the new batch into those buffers, replays, and does
+Lightning's bookkeeping (progress counters, ``self.log`` values from the static tensors, the returned
+loss). A batch of another structure, shape or dtype runs as an ordinary eager step. Per-step host work
+on the replay path is: one ``tree_flatten`` of the batch and a comparison of its leaves, the copies,
+``replay()``, five counter increments, the recorded ``log`` calls and a clone of the step's outputs.
 """
 from __future__ import annotations
 
@@ -32,6 +32,7 @@ from ..config import NPUGraphConfig
 from ..graphed import Graph, GraphCaptureError, graph
 from ..graphed.backends import Backend
 from ..optim import check_capture_safe, clip_grad_norm_, make_capturable
+from .batch import BatchKey, batch_key, describe, ready_to_capture
 
 # The LightningModule method that maps a batch to the cpu_update_input of its graphs (auto_dispatch_capture).
 UPDATE_HOOK = "npugraph_update_input"
@@ -39,12 +40,6 @@ UPDATE_HOOK = "npugraph_update_input"
 # Hooks that run inside the captured region: once at capture, never again in Python.
 _CLOSURE_HOOKS = ("on_before_backward", "on_after_backward", "on_before_optimizer_step", "on_before_zero_grad",
                   "optimizer_zero_grad", "backward", "configure_gradient_clipping")
-
-
-def _leaf_key(leaf: Any) -> Any:
-    if isinstance(leaf, torch.Tensor):
-        return (tuple(leaf.shape), leaf.dtype, leaf.device)
-    return ("value", leaf)
 
 
 def _clone(value: Any) -> Any:
@@ -103,8 +98,9 @@ class WholeStepGrapher:
         self.active = False
         self.failed = False
         self.static_leaves: List[Any] = []
-        self.spec: Any = None
-        self.signature: Tuple[Any, ...] = ()
+        self.key: Optional[BatchKey] = None
+        self.previous_key: Optional[BatchKey] = None  # the last eager step's batch, before capture
+        self.capture_delay = 0
         self.static_result: Dict[str, Any] = {}
         self.static_grads: List[Tuple[torch.Tensor, torch.Tensor]] = []
         self.logs: Optional[_LogRecorder] = None
@@ -199,7 +195,7 @@ class WholeStepGrapher:
                 leaves: List[Any], spec: Any) -> Dict[str, Any]:
         trainer, module = loop.trainer, loop.trainer.lightning_module
         self.static_leaves = [_clone(leaf) for leaf in leaves]
-        self.spec, self.signature = spec, tuple(_leaf_key(leaf) for leaf in leaves)
+        self.key = batch_key(leaves, spec)
         static_kwargs = OrderedDict(kwargs)
         static_kwargs["batch"] = tree_unflatten(self.static_leaves, spec)
         optimizer.zero_grad(set_to_none=True)  # backward allocates the gradients inside the graph
@@ -218,7 +214,7 @@ class WholeStepGrapher:
         finally:
             del module.log
         if failure is not None:
-            self.graph, self.signature = None, ()
+            self.graph, self.key = None, None
             if self.config.on_failure == "raise":
                 raise GraphCaptureError(f"capturing the training step failed: {failure}",
                                         module_name="training_step") from failure
@@ -240,10 +236,6 @@ class WholeStepGrapher:
         self.status = "graphed"
         # Capture runs no kernels: this replay is the capture step's update.
         return self.replay_step(loop, batch=kwargs["batch"])
-
-    def matches(self, leaves: List[Any], spec: Any) -> bool:
-        return spec == self.spec and len(leaves) == len(self.signature) and all(
-            _leaf_key(leaf) == key for leaf, key in zip(leaves, self.signature))
 
     def replay_step(self, loop: "_WholeStepOptimization", leaves: Optional[List[Any]] = None,
                     batch: Any = None) -> Dict[str, Any]:
@@ -276,11 +268,8 @@ class WholeStepGrapher:
         self.static_grads = []
 
     def report(self) -> List[Dict[str, Any]]:
-        description = "(" + ", ".join(
-            f"{str(k[1]).replace('torch.', '')}{list(k[0])}" if k[0] != "value" else repr(k[1])
-            for k in self.signature) + ")"
-        signatures = [{"description": description, "replays": self.replays, "capture_seconds": self.capture_seconds,
-                       "pool_bytes": self.pool_bytes}] if self.signature else []
+        signatures = [{"description": describe(self.key), "replays": self.replays,
+                       "capture_seconds": self.capture_seconds, "pool_bytes": self.pool_bytes}] if self.key else []
         return [{"module": "training_step", "status": self.status, "signatures": signatures,
                  "replays": self.replays, "eager_calls": dict(self.eager_steps)}]
 
@@ -303,14 +292,20 @@ class _WholeStepOptimization(_AutomaticOptimization):
         grapher = self.grapher
         if grapher.failed:
             return self.eager_step(optimizer, batch_idx, kwargs, "capture failed (on_failure='eager')")
-        if not grapher.active:
-            return super().run(optimizer, batch_idx, kwargs)  # a warmup step
         leaves, spec = tree_flatten(kwargs["batch"])
+        key = batch_key(leaves, spec)
         if grapher.graph is None:
+            previous, grapher.previous_key = grapher.previous_key, key
+            if not grapher.active:
+                return super().run(optimizer, batch_idx, kwargs)  # a warmup step
+            if not ready_to_capture(key, previous, grapher.capture_delay):
+                grapher.capture_delay += 1
+                return self.eager_step(optimizer, batch_idx, kwargs,
+                                       "capture waits for a batch shaped like the previous one")
             return grapher.capture(self, optimizer, batch_idx, kwargs, leaves, spec)
-        if not grapher.matches(leaves, spec):
-            shapes = tuple(_leaf_key(leaf)[0] for leaf in leaves if isinstance(leaf, torch.Tensor))
-            return self.eager_step(optimizer, batch_idx, kwargs, f"batch {shapes} differs from the captured one")
+        if key != grapher.key:
+            return self.eager_step(optimizer, batch_idx, kwargs,
+                                   f"batch {describe(key)} differs from the captured one")
         result = grapher.replay_step(self, leaves, kwargs["batch"])
         progress = self.optim_progress.optimizer
         progress.zero_grad.increment_ready()
