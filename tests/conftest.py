@@ -1,5 +1,11 @@
+import os
+
 import pytest
 import torch
+
+# Trainer(deterministic=True) sets this only when it is built, but cuBLAS reads it once, at the first GEMM
+# of the process: on a GPU, a device test that ran a matmul earlier would make every later one fail.
+os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
 
 from npugraph_train.graphed import backends
 
@@ -14,8 +20,11 @@ def _emulate_backend(monkeypatch):
     monkeypatch.setattr(backends, "_instances", {})
     monkeypatch.setattr(backends, "_warned_fallback", False)
     state = torch.get_rng_state()
+    deterministic = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
     yield
     torch.set_rng_state(state)
+    # Trainer(deterministic=True) turns this on for the process and never back off.
+    torch.use_deterministic_algorithms(deterministic[0], warn_only=deterministic[1])
 
 
 @pytest.fixture

@@ -24,6 +24,22 @@ class _DoubleStream(emulate.EmulatedStream):
         super().__init__("double")
 
 
+class _StreamContext:
+    """Like ``torch.cuda.StreamContext``: a plain object, so a context left un-exited (an exception
+    between enter and exit) keeps its stream current, as on a device."""
+
+    def __init__(self, stream: Any) -> None:
+        self.stream = stream
+
+    def __enter__(self) -> None:
+        self.previous = emulate._current_stream()
+        if self.stream is not None:
+            emulate._local.stream = self.stream
+
+    def __exit__(self, *exc: Any) -> None:
+        emulate._local.stream = self.previous
+
+
 def _make_graph_class(log: CallLog, name: str) -> type:
     class DoubleGraph:
         def __init__(self) -> None:  # NPUGraph() takes no arguments
@@ -72,7 +88,7 @@ class _GraphContextBase:
         if type(self).default_capture_stream is None:
             type(self).default_capture_stream = _DoubleStream()
         self.graph, self.pool, self.capture_error_mode = graph, pool, capture_error_mode
-        self.stream_ctx = emulate._stream(stream if stream is not None else self.default_capture_stream)
+        self.stream_ctx = _StreamContext(stream if stream is not None else self.default_capture_stream)
 
     def __enter__(self) -> None:
         self.stream_ctx.__enter__()
@@ -108,7 +124,7 @@ def _device_functions(module: types.ModuleType, log: CallLog) -> None:
 
     module.Stream = _DoubleStream
     module.current_stream = lambda: emulate._current_stream()
-    module.stream = lambda s: emulate._stream(s)
+    module.stream = _StreamContext
     module.synchronize = record("synchronize")
     module.empty_cache = record("empty_cache")
     module.graph_pool_handle = record("graph_pool_handle", lambda: (0, next(emulate._pool_ids)))

@@ -8,7 +8,7 @@ import torch
 import torch.nn as nn
 
 import npugraph_train.graphed as ng
-from npugraph_train.graphed import backends
+from npugraph_train.graphed import GraphCaptureError, backends
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -356,6 +356,22 @@ class TestCUDABackendDouble:
     def test_auto_dispatch_capture_is_npu_only(self, cuda_double):
         with pytest.raises(NotImplementedError, match="re-capture one graph per host value"):
             ng.graph(ng.Graph(), auto_dispatch_capture=True)
+
+    @pytest.mark.parametrize("failing", ["capture_begin", "capture_end"])
+    def test_failed_capture_leaves_the_capture_stream(self, cuda_double, monkeypatch, failing):
+        # CUDA's capture_end raises cudaErrorStreamCaptureInvalidated after a sync in the block, and torch's
+        # graph() only leaves its stream context after capture_end returns.
+        def invalidated(graph, *args, **kwargs):
+            raise RuntimeError("CUDA error: operation failed due to a previous error during capture")
+
+        monkeypatch.setattr(torch.cuda.CUDAGraph, failing, invalidated)
+        outer = torch.cuda.current_stream()
+        g = ng.Graph()
+        with pytest.raises(GraphCaptureError, match="previous error during capture"):
+            with ng.graph(g):
+                torch.ones(1) + 1
+        assert torch.cuda.current_stream() is outer
+        assert not g.is_captured
 
     def test_auto_prefers_cuda_over_emulate(self, cuda_double, monkeypatch):
         monkeypatch.setenv("NPUGRAPH_BACKEND", "auto")

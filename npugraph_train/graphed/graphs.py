@@ -194,19 +194,27 @@ class graph:
 
     def __enter__(self) -> None:
         self.npu_graph._start_capture()
+        backend = self.npu_graph.backend
+        self._outer_stream = backend.current_stream()
+        self._ctx = None
         try:
             # Made only now: torch_npu's graph() sets flags on the graph, which a refused capture must not.
-            self._ctx = self.npu_graph.backend.graph_context(self.npu_graph.native, **self._options)
+            self._ctx = backend.graph_context(self.npu_graph.native, **self._options)
             self._ctx.__enter__()
             self.npu_graph._auto_dispatch = self._options["auto_dispatch_capture"]
-        except BaseException:
+        except BaseException as exc:
+            self._leave_capture_stream()
             self.npu_graph._finish_capture(ok=False)
-            raise
+            error = _as_capture_error(exc)
+            if error is exc:
+                raise
+            raise error from exc
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> bool:
         try:
             self._ctx.__exit__(exc_type, exc, tb)
         except BaseException as end_error:
+            self._leave_capture_stream()
             self.npu_graph._finish_capture(ok=False)
             if exc is None:
                 raise _as_capture_error(end_error) from end_error
@@ -215,6 +223,14 @@ class graph:
         if isinstance(exc, RuntimeError) and not isinstance(exc, (GraphCaptureError, GraphStateError)):
             raise _as_capture_error(exc) from exc
         return False
+
+    def _leave_capture_stream(self) -> None:
+        # torch's (and torch_npu's) graph() runs capture_begin after entering its stream context and
+        # capture_end before leaving it; when either raises (a capture the device invalidated, say after a
+        # host sync), the capture stream would stay current for all later work, eager fallback included.
+        stream_ctx = getattr(self._ctx, "stream_ctx", None)
+        if stream_ctx is not None and self.npu_graph.backend.current_stream() != self._outer_stream:
+            stream_ctx.__exit__(None, None, None)
 
 
 def _as_capture_error(exc: BaseException) -> BaseException:
