@@ -361,7 +361,11 @@ class TestCUDABackendDouble:
     def test_failed_capture_leaves_the_capture_stream(self, cuda_double, monkeypatch, failing):
         # CUDA's capture_end raises cudaErrorStreamCaptureInvalidated after a sync in the block, and torch's
         # graph() only leaves its stream context after capture_end returns.
+        original = getattr(torch.cuda.CUDAGraph, failing)
+
         def invalidated(graph, *args, **kwargs):
+            if failing == "capture_end":
+                original(graph)  # the device ends the capture, then reports it invalid
             raise RuntimeError("CUDA error: operation failed due to a previous error during capture")
 
         monkeypatch.setattr(torch.cuda.CUDAGraph, failing, invalidated)
