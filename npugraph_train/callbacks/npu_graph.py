@@ -14,8 +14,9 @@
 In ``submodules`` mode, the last warmup step records the real inputs of every marked submodule (shapes,
 dtypes, requires_grad, keyword arguments, call order); the next step captures their forward and backward
 in that order into one pool, under the precision plugin's autocast. If that step's batch is shaped unlike
-the recorded one (an epoch's short last batch on either side), it records again and capture waits a step. Validation, test and predict run the
-modules eager (eval mode); calls that do not fit a graph run eager and are counted in the report.
+the recorded one (an epoch's short last batch on either side), it records again and capture waits a step.
+Validation, test and predict run the modules eager (eval mode); calls that do not fit a graph run eager
+and are counted in the report.
 
 In ``whole_step`` mode, the optimizer is made capture-safe at fit start (:mod:`npugraph_train.optim`),
 setups that cannot be captured are refused with what to change, and the first step after warmup
