@@ -191,6 +191,9 @@ def install_torch_npu(monkeypatch: Any, log: CallLog) -> types.ModuleType:
     monkeypatch.setitem(sys.modules, "torch_npu.npu", torch_npu.npu)
     monkeypatch.setattr(torch, "npu", torch_npu.npu, raising=False)
     monkeypatch.setattr(torch._C, "_get_privateuse1_backend_name", lambda: "npu")
+    # torch_npu/_compat/distributed.py: "npu" tensors use HCCL by default (Lightning's DDP reads this map).
+    if torch.distributed.is_available():
+        monkeypatch.setitem(torch.distributed.Backend.default_device_backend_map, "npu", "hccl")
     return torch_npu
 
 

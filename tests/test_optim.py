@@ -120,13 +120,19 @@ def test_torch_npu_fused_optimizer_is_refused():
     with pytest.raises(MisconfigurationException, match=r"NpuFusedAdamW \(torch_npu\).*torch.optim.AdamW\(\.\.\., "
                                                         r"foreach=True\)"):
         make_capturable(opt)
+    NpuFusedLamb = type("NpuFusedLamb", (torch.optim.Optimizer,), {"__module__": "torch_npu.optim.npu_fused_lamb"})
+    with pytest.raises(MisconfigurationException, match=r"Use a torch.optim optimizer \(e.g. AdamW\)\(\.\.\., "):
+        make_capturable(NpuFusedLamb(_model().parameters(), {"lr": 0.1}))
 
 
 def test_unknown_and_fused_optimizers_are_refused():
     with pytest.raises(MisconfigurationException, match="LBFGS is not known to be capture-safe"):
         make_capturable(torch.optim.LBFGS(_model().parameters()))
+    fused = torch.optim.AdamW(_model().parameters(), lr=torch.tensor(0.01), fused=True, capturable=True)
     with pytest.raises(MisconfigurationException, match="fused=True.*foreach=True"):
-        make_capturable(torch.optim.AdamW(_model().parameters(), fused=True))
+        make_capturable(fused)
+    with pytest.raises(MisconfigurationException, match="fused=True.*foreach=True"):
+        check_capture_safe(fused, tensor_lr_needed=True)  # convert_optimizers=False
 
 
 def test_clip_grad_norm_matches_torch_and_captures():

@@ -14,8 +14,8 @@ Lightning's automatic choices land on the NPU::
 ``Trainer(accelerator=NPUAccelerator(), strategy=SingleNPUStrategy(device="npu:1"))``.
 
 Without torch_npu nothing is registered and ``Trainer(accelerator="npu")`` fails in Lightning's own check
-of the accelerator name. Multi-device NPU training is not configured here: pass
-``strategy=DDPStrategy(process_group_backend="hccl")`` yourself.
+of the accelerator name. Several NPUs use Lightning's DDP, whose process group backend follows the device:
+torch_npu registers ``hccl`` as the ``npu`` device's default backend.
 """
 from __future__ import annotations
 
@@ -76,7 +76,7 @@ class NPUAccelerator(Accelerator):
     Usage::
 
         Trainer(accelerator="npu", devices=1)        # after npugraph_train.accelerators.register_npu()
-        Trainer(accelerator=NPUAccelerator(), devices=[0, 1], strategy=DDPStrategy(process_group_backend="hccl"))
+        Trainer(accelerator=NPUAccelerator(), devices=[0, 1])    # DDP over HCCL
     """
 
     def setup_device(self, device: torch.device) -> None:
@@ -228,9 +228,6 @@ def _patch_accelerator_connector() -> None:
         if isinstance(getattr(self, "accelerator", None), NPUAccelerator):
             if self._num_nodes_flag == 1 and len(self._parallel_devices) <= 1:
                 return SingleNPUStrategy(device=self._parallel_devices[0] if self._parallel_devices else "npu:0")
-            rank_zero_warn("Trainer(accelerator='npu') on several NPUs uses Lightning's default DDP, whose "
-                           "process group backend is not HCCL; pass strategy=DDPStrategy(process_group_backend="
-                           "'hccl').")
         return choose(self)
 
     @functools.wraps(init_precision)

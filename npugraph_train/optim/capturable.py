@@ -152,10 +152,16 @@ def _refuse_unsupported(opt: Optimizer) -> None:
     cls = type(opt)
     if cls.__module__.startswith("torch_npu"):
         base = cls.__name__.replace("NpuFused", "")
+        instead = f"torch.optim.{base}" if hasattr(torch.optim, base) else "a torch.optim optimizer (e.g. AdamW)"
         raise MisconfigurationException(
             f"{cls.__name__} (torch_npu) keeps its step count and bias corrections on the host and flattens "
-            f"parameters on its first step, so it cannot be captured. Use torch.optim.{base}(..., foreach=True) "
+            f"parameters on its first step, so it cannot be captured. Use {instead}(..., foreach=True) "
             "with npugraph_train.optim.make_capturable, or mode='submodules' (optimizer stays eager)")
+    if getattr(opt, "defaults", {}).get("fused"):
+        raise MisconfigurationException(
+            f"{cls.__name__}(fused=True): npugraph_train captures the foreach implementation; construct it with "
+            "foreach=True (fused kernels differ per device in tensor-lr support: torch_npu has no "
+            "_fused_adamw_ with a tensor lr)")
     if not isinstance(opt, (SGD,) + _CAPTURABLE_FLAG):
         raise MisconfigurationException(
             f"{cls.__name__} is not known to be capture-safe: npugraph_train can make SGD, "
@@ -187,10 +193,6 @@ def make_capturable(optimizer: Any, device: Optional[torch.device] = None) -> An
     opt = _unwrap(optimizer)
     if not isinstance(opt, CapturableOptimizer):
         _refuse_unsupported(opt)
-        if getattr(opt, "defaults", {}).get("fused"):
-            raise MisconfigurationException(
-                f"{type(opt).__name__}(fused=True): npugraph_train captures the foreach implementation; "
-                "construct it with foreach=True (fused kernels' tensor-lr support differs per device)")
         opt.__class__ = _capturable_class(type(opt))
         _retarget_scheduler_wrapper(opt)
     for group in opt.param_groups:
