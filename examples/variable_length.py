@@ -9,8 +9,11 @@ lengths replay one forward and one backward graph.
     python examples/variable_length.py            # graphed, with per-batch updates
     python examples/variable_length.py --eager    # the same training without graphs
 
-The op's implementation here is a stand-in written with torch ops, so that it runs on every backend;
-on an NPU the same handler mechanism drives kernels such as ``npu_fused_infer_attention_score``.
+The op's implementation here is a stand-in written with torch ops, so that it runs on the emulator; on
+an NPU the same handler mechanism drives kernels such as ``npu_fused_infer_attention_score``. There,
+``update`` re-issues each recorded op as one kernel in a CANN task group, so an updatable op must be a
+single aclnn kernel: this composite stand-in (which also copies the lengths to the device) shows the
+mechanism and is not one to capture on an NPU.
 """
 import argparse
 import sys

@@ -8,6 +8,7 @@ call with its arguments, and run the work on the CPU emulator so that captured g
 from __future__ import annotations
 
 import importlib.machinery
+import os
 import sys
 import types
 from typing import Any, List, Tuple
@@ -40,6 +41,23 @@ class _StreamContext:
         emulate._local.stream = self.previous
 
 
+class _DispatchMode:
+    """torch_npu's ``NPUGraph.graph_dispatch_mode``: made once per graph, so its records outlive
+    ``reset()``; entered by ``graph(..., auto_dispatch_capture=True)`` around the capture."""
+
+    def __init__(self, log: CallLog) -> None:
+        self.log, self.active = log, False
+        self.graph_dispatch_records: List[Any] = []
+
+    def __enter__(self) -> None:
+        self.active = True
+        self.log.append(("dispatch_mode.enter", (), {}))
+
+    def __exit__(self, *exc: Any) -> None:
+        self.active = False
+        self.log.append(("dispatch_mode.exit", (), {}))
+
+
 def _make_graph_class(log: CallLog, name: str) -> type:
     class DoubleGraph:
         def __init__(self) -> None:  # NPUGraph() takes no arguments
@@ -47,11 +65,17 @@ def _make_graph_class(log: CallLog, name: str) -> type:
             self._emulated = emulate.EmulatedGraph()
             self.auto_dispatch_capture = False
             self.capturing_stream = None
+            self.has_graph = False
+            if name == "NPUGraph":
+                self.graph_dispatch_mode = _DispatchMode(log)
 
         def capture_begin(self, pool: Any = None, capture_error_mode: str = "global") -> None:
             log.append(("capture_begin", (), {"pool": pool, "capture_error_mode": capture_error_mode}))
             if capture_error_mode not in ("global", "thread_local", "relaxed"):
                 raise RuntimeError("Unknown capture error mode")
+            if self.has_graph:
+                raise RuntimeError(f"This {name} instance already owns a captured graph. To capture a new graph, "
+                                   "create a new instance.")
             self.capturing_stream = emulate._current_stream()
             self._emulated.auto_dispatch_capture = self.auto_dispatch_capture
             self._emulated.capture_begin(pool=pool, capture_error_mode=capture_error_mode)
@@ -59,6 +83,9 @@ def _make_graph_class(log: CallLog, name: str) -> type:
         def capture_end(self) -> None:
             log.append(("capture_end", (), {}))
             self._emulated.capture_end()
+            self.has_graph = True
+            if name == "NPUGraph":  # the records pile up in the one dispatch mode, as in torch_npu
+                self.graph_dispatch_mode.graph_dispatch_records.extend(self._emulated.update_records)
 
         def replay(self) -> None:
             log.append(("replay", (), {}))
@@ -67,6 +94,7 @@ def _make_graph_class(log: CallLog, name: str) -> type:
         def reset(self) -> None:
             log.append(("reset", (), {}))
             self._emulated.reset()
+            self.has_graph = False
 
         def pool(self) -> Tuple[int, int]:
             return self._emulated.pool()
@@ -92,11 +120,15 @@ class _GraphContextBase:
 
     def __enter__(self) -> None:
         self.stream_ctx.__enter__()
+        if getattr(self.graph, "auto_dispatch_capture", False):
+            self.graph.graph_dispatch_mode.__enter__()
         self.graph.capture_begin(*((self.pool,) if self.pool is not None else ()),
                                  capture_error_mode=self.capture_error_mode)
 
     def __exit__(self, *exc: Any) -> None:
         self.graph.capture_end()
+        if getattr(self.graph, "auto_dispatch_capture", False):
+            self.graph.graph_dispatch_mode.__exit__(*exc)
         self.stream_ctx.__exit__(*exc)
 
 
@@ -149,6 +181,7 @@ def make_torch_npu(log: CallLog) -> types.ModuleType:
     npu.__spec__ = importlib.machinery.ModuleSpec("torch_npu.npu", None)
     _device_functions(npu, log)
     npu.host_empty_cache = lambda: log.append(("host_empty_cache", (), {}))
+    npu.get_task_queue_enable = lambda: int(os.environ.get("TASK_QUEUE_ENABLE", "1"))
     npu.NPUGraph = _make_graph_class(log, "NPUGraph")
     npu.Event = _make_event_class(log)
     npu.registered_handlers = {}

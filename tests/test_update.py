@@ -171,8 +171,8 @@ class TestNPUDouble:
             y = masked_mean(x, [6, 6, 6])
         graph_call = next(c for c in npu_double if c[0] == "graph")
         assert graph_call[2]["auto_dispatch_capture"] is True and graph_call[2]["stream"] is s
-        with pytest.raises(ng.GraphStateError, match="without a preceding update"):
-            g.replay()  # torch_npu cannot tell how many ops are updatable: every replay needs an update
+        with pytest.raises(ng.GraphStateError, match="1 updatable ops without a preceding update"):
+            g.replay()  # counted from torch_npu's graph_dispatch_mode records
         replay_stream = ng.new_stream()
         with ng.stream(replay_stream):
             for lengths in ([1, 2, 3], [3, 2, 1]):
@@ -190,6 +190,63 @@ class TestNPUDouble:
             ("replay", (), {}),
             ("event.record", (replay_stream,), {}),
         ]
+
+    def test_graph_without_handled_ops_needs_no_update(self, npu_double):
+        x = torch.ones(3)
+        g = ng.Graph()
+        with ng.graph(g, auto_dispatch_capture=True):
+            y = x * 2
+        g.replay()
+        assert torch.equal(y, torch.full((3,), 2.0))
+
+    def test_recapture_after_reset_starts_with_no_records(self, npu_double):
+        g, x, y = _capture_masked_mean([6, 6, 6])
+        g.reset()
+        with ng.graph(g, auto_dispatch_capture=True):
+            y = masked_mean(x, [6, 6, 6])
+        # torch_npu's graph_dispatch_mode outlives reset(): a reused NPUGraph would hold both captures' records
+        assert g.backend.update_record_count(g.native) == 1
+        g.update([{"lengths": [1, 2, 3]}])
+        g.replay()
+        assert torch.equal(y, masked_mean(x, [1, 2, 3]))
+
+    def test_failed_capture_leaves_no_dispatch_mode_or_stream_behind(self, npu_double, monkeypatch):
+        def exhausted(graph, *args, **kwargs):
+            raise RuntimeError("AclmdlRICaptureBegin failed, error code 207008")
+
+        monkeypatch.setattr(torch.npu.NPUGraph, "capture_begin", exhausted)
+        outer = torch.npu.current_stream()
+        g = ng.Graph()
+        with pytest.raises(ng.GraphCaptureError, match="207008"):
+            with ng.graph(g, auto_dispatch_capture=True):
+                pass
+        assert not g.native.graph_dispatch_mode.active and torch.npu.current_stream() is outer
+
+    def test_task_queue_level_2_is_refused_before_capture(self, npu_double, monkeypatch):
+        monkeypatch.setenv("TASK_QUEUE_ENABLE", "2")
+        g = ng.Graph()
+        with pytest.raises(ng.GraphCaptureError, match="export TASK_QUEUE_ENABLE=1"):
+            with ng.graph(g):
+                pass
+        assert not any(c[0] == "capture_begin" for c in npu_double)
+        monkeypatch.setenv("TASK_QUEUE_ENABLE", "1")
+        with ng.graph(g):
+            pass
+
+    def test_torch_npu_without_updates_captures_without_the_keyword(self, npu_double, monkeypatch):
+        class OldGraph(torch.npu.graph):  # torch_npu before 2.8.0.post1
+            def __init__(self, npu_graph, pool=None, stream=None, capture_error_mode="global"):
+                super().__init__(npu_graph, pool=pool, stream=stream, capture_error_mode=capture_error_mode)
+
+        monkeypatch.setattr(torch.npu, "graph", OldGraph)
+        g = ng.Graph()
+        assert not g.backend.supports_update
+        with ng.graph(g):
+            y = torch.ones(2) + 1
+        g.replay()
+        assert torch.equal(y, torch.full((2,), 2.0))
+        with pytest.raises(NotImplementedError, match="auto_dispatch_capture=True on the npu backend"):
+            ng.graph(ng.Graph(), auto_dispatch_capture=True)
 
     def test_handlers_are_registered_with_torch_npu(self, npu_double):
         ng.Graph()  # starting the npu backend registers the handlers made before torch_npu was loaded
@@ -273,3 +330,53 @@ def test_callback_needs_the_update_method():
 
     with pytest.raises(MisconfigurationException, match="Regressor.npugraph_update_input\\(self, batch\\)"):
         fit(callbacks=[NPUGraphCallback(auto_dispatch_capture=True)], max_steps=2)
+
+
+@torch.library.custom_op("npugraph_test::shift", mutates_args=())
+def shift(x: torch.Tensor, n: int) -> torch.Tensor:
+    return x + n
+
+
+@torch.library.custom_op("npugraph_test::shift_v2", mutates_args=())
+def shift_v2(x: torch.Tensor, n: int) -> torch.Tensor:
+    return x + n
+
+
+@register_graph_handler("shift.default")
+class ShiftHandler(GraphOpHandler):
+    """Captures shift as shift_v2 (as torch_npu's attention handlers capture .default as .out)."""
+
+    UPDATE_SPECS = {"shift_v2.default": [("arg", 1, "n")]}
+
+    @classmethod
+    def prepare_capture(cls, func, args, kwargs):
+        return torch.ops.npugraph_test.shift_v2.default, args, kwargs
+
+
+def test_handler_is_found_by_the_name_prepare_capture_returns(npu_double):
+    x = torch.zeros(2)
+    g = ng.Graph()  # starting the npu backend registers the handlers with torch_npu
+    # torch_npu looks a record's handler up by op_cache_entry.__name__ when it updates
+    assert torch.npu.registered_handlers["shift_v2.default"].__mro__[1] is ShiftHandler
+    with ng.graph(g, auto_dispatch_capture=True):
+        y = torch.ops.npugraph_test.shift(x, 1)
+    g.update([{"n": 5}])
+    g.replay()
+    assert torch.equal(y, torch.full((2,), 5.0))
+
+
+def test_update_of_an_op_no_handler_is_registered_for_says_so():
+    @register_graph_handler("shift.default")
+    class Rewrites(GraphOpHandler):  # no UPDATE_SPECS for the op it captures instead
+        @classmethod
+        def prepare_capture(cls, func, args, kwargs):
+            return torch.ops.aten.add.Tensor, (args[0], torch.ones(())), kwargs
+
+    try:
+        g = ng.Graph()
+        with ng.graph(g, auto_dispatch_capture=True):
+            torch.ops.npugraph_test.shift(torch.zeros(2), 1)
+        with pytest.raises(RuntimeError, match="no graph handler is registered for the recorded op add.Tensor"):
+            g.update([{}])
+    finally:
+        register_graph_handler("shift.default")(ShiftHandler)

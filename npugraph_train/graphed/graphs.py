@@ -60,6 +60,7 @@ class Graph:
     # state bookkeeping shared by capture_begin/end and the graph context manager
     def _start_capture(self) -> None:
         global _active_capture
+        self.backend.before_capture()
         with _capture_lock:
             if _active_capture is not None:
                 raise GraphStateError(
@@ -71,7 +72,7 @@ class Graph:
                     "reset() before capturing into it again, or create a new Graph")
             _active_capture = self
             self._state = _CAPTURING
-            self._updated, self._replay_done = False, None
+            self._auto_dispatch, self._updated, self._replay_done = False, False, None
 
     def _finish_capture(self, ok: bool) -> None:
         global _active_capture
@@ -145,6 +146,8 @@ class Graph:
         if self._state == _CAPTURING:
             raise GraphStateError("reset() during capture; call capture_end() first")
         self.native.reset()
+        # A fresh native graph: torch_npu's keeps its update records across reset() and re-capture.
+        self.native = self.backend.new_graph()
         self._state = _EMPTY
 
     def pool(self) -> Any:
@@ -194,16 +197,12 @@ class graph:
 
     def __enter__(self) -> None:
         self.npu_graph._start_capture()
-        backend = self.npu_graph.backend
-        self._outer_stream = backend.current_stream()
-        self._ctx = None
         try:
             # Made only now: torch_npu's graph() sets flags on the graph, which a refused capture must not.
-            self._ctx = backend.graph_context(self.npu_graph.native, **self._options)
+            self._ctx = self.npu_graph.backend.graph_context(self.npu_graph.native, **self._options)
             self._ctx.__enter__()
             self.npu_graph._auto_dispatch = self._options["auto_dispatch_capture"]
         except BaseException as exc:
-            self._leave_capture_stream()
             self.npu_graph._finish_capture(ok=False)
             error = _as_capture_error(exc)
             if error is exc:
@@ -214,7 +213,6 @@ class graph:
         try:
             self._ctx.__exit__(exc_type, exc, tb)
         except BaseException as end_error:
-            self._leave_capture_stream()
             self.npu_graph._finish_capture(ok=False)
             if exc is None:
                 raise _as_capture_error(end_error) from end_error
@@ -223,14 +221,6 @@ class graph:
         if isinstance(exc, RuntimeError) and not isinstance(exc, (GraphCaptureError, GraphStateError)):
             raise _as_capture_error(exc) from exc
         return False
-
-    def _leave_capture_stream(self) -> None:
-        # torch's (and torch_npu's) graph() runs capture_begin after entering its stream context and
-        # capture_end before leaving it; when either raises (a capture the device invalidated, say after a
-        # host sync), the capture stream would stay current for all later work, eager fallback included.
-        stream_ctx = getattr(self._ctx, "stream_ctx", None)
-        if stream_ctx is not None and self.npu_graph.backend.current_stream() != self._outer_stream:
-            stream_ctx.__exit__(None, None, None)
 
 
 def _as_capture_error(exc: BaseException) -> BaseException:

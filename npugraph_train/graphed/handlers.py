@@ -16,7 +16,10 @@ API has the shape of torch_npu's ``NpuGraphOpHandler`` / ``register_npu_graph_ha
     g.replay()
 
 On the ``npu`` backend the handler is also registered with torch_npu, whose dispatch mode does the
-recording; the emulator implements the same semantics on the CPU.
+recording; the emulator implements the same semantics on the CPU. On an NPU, ``update`` re-issues each
+recorded op inside a CANN task group made for one kernel with host arguments (torch_npu's fused
+attention kernels): an updatable op there must be a single aclnn kernel that allocates nothing and copies
+nothing to the device. The emulator replays composite ops too, so it cannot check that.
 """
 from __future__ import annotations
 
@@ -37,8 +40,10 @@ class GraphOpHandler:
     ``UPDATE_SPECS`` maps an op name (``OpOverload.__name__``, e.g. ``"my_op.default"``) to the host
     arguments an update may set: ``("arg", index, key)`` for a positional argument, ``("kwarg", name, key)``
     for a keyword one. Keyword arguments the op received at capture can also be updated by their name.
-    If ``prepare_capture`` rewrites the op (e.g. to ``my_op.out``), give specs for the rewritten name too.
-    On npu the handler is registered with torch_npu combined with its ``NpuGraphOpHandler`` base.
+    If ``prepare_capture`` rewrites the op (e.g. to ``my_op.out``), give specs for the rewritten name: the
+    names in ``UPDATE_SPECS`` are registered too, because torch_npu finds a record's handler by the name of
+    the op it recorded. On npu the handler is registered with torch_npu combined with its
+    ``NpuGraphOpHandler`` base.
     """
 
     UPDATE_SPECS: ClassVar[Dict[str, List[UpdateSpec]]] = {}
@@ -73,10 +78,12 @@ class GraphOpHandler:
 
 def register_graph_handler(op_names: Union[str, Iterable[str]]) -> Callable[[Type[GraphOpHandler]],
                                                                             Type[GraphOpHandler]]:
-    """Class decorator registering a handler for op names, here and (when loaded) in torch_npu."""
-    names = [op_names] if isinstance(op_names, str) else list(op_names)
+    """Class decorator registering a handler for op names (and its ``UPDATE_SPECS`` names), here and (when
+    loaded) in torch_npu."""
+    requested = [op_names] if isinstance(op_names, str) else list(op_names)
 
     def register(handler: Type[GraphOpHandler]) -> Type[GraphOpHandler]:
+        names = requested + [name for name in handler.UPDATE_SPECS if name not in requested]
         for name in names:
             _HANDLERS[name] = handler
         _register_with_torch_npu(names, handler)
@@ -121,7 +128,6 @@ class DispatchRecord:
         self.op_cache_entry = func
         self.args = args
         self.kwargs = kwargs
-        self.handler = handler
         specs = handler.get_update_specs(self.op_name)
         self.updatable: Set[str] = set(kwargs) | {
             key for kind, where, key in specs
@@ -165,4 +171,8 @@ def apply_update(records: List[DispatchRecord], cpu_update_input: List[Dict[str,
         for key, value in update.items():
             if key in record.kwargs:
                 record.kwargs[key] = value
-        record.handler.update_args(record, update)
+        handler = _HANDLERS.get(record.op_name)
+        if handler is None:  # torch_npu: "No handler for recorded op"
+            raise RuntimeError(f"no graph handler is registered for the recorded op {record.op_name} (the op "
+                               "prepare_capture returned); name it in the handler's UPDATE_SPECS")
+        handler.update_args(record, update)

@@ -50,6 +50,9 @@ class Backend(ABC):
     @abstractmethod
     def synchronize(self) -> None: ...
 
+    def before_capture(self) -> None:
+        """Raise ``GraphCaptureError`` if a setting of this process rules out capture (checked at each one)."""
+
     def get_rng_state(self) -> Any:
         """Device RNG state (in addition to torch's CPU generator); None where there is none."""
         return None

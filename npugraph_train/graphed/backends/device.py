@@ -8,11 +8,54 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import inspect
+import os
 from typing import Any, ContextManager, Dict, List, Optional, Tuple
 
 import torch
 
+from ..errors import GraphCaptureError
 from .base import Backend
+
+
+class _NativeGraphContext:
+    """A device module's ``graph(...)`` context, undone when capture_begin or capture_end raises.
+
+    torch's and torch_npu's ``graph`` enter their stream context (and on npu, with
+    ``auto_dispatch_capture``, the graph's update-recording dispatch mode) before ``capture_begin``, and run
+    ``capture_end`` before leaving them. When either raises (a capture the device invalidated after a host
+    sync, an exhausted stream budget), that stream and mode would stay current for all later work,
+    eager fallback included.
+    """
+
+    def __init__(self, backend: Backend, native_ctx: Any, native_graph: Any, auto_dispatch_capture: bool) -> None:
+        self.backend, self.native_ctx, self.native_graph = backend, native_ctx, native_graph
+        self.auto_dispatch_capture = auto_dispatch_capture
+
+    def __enter__(self) -> None:
+        self._outer_stream = self.backend.current_stream()
+        try:
+            self.native_ctx.__enter__()
+        except BaseException:
+            self._undo()
+            raise
+
+    def __exit__(self, *exc: Any) -> Any:
+        try:
+            return self.native_ctx.__exit__(*exc)
+        except BaseException:
+            self._undo()
+            raise
+
+    def _undo(self) -> None:
+        if self.backend.current_stream() == self._outer_stream:
+            return  # the native context got as far as leaving its stream
+        mode = getattr(self.native_graph, "graph_dispatch_mode", None)
+        if self.auto_dispatch_capture and mode is not None:
+            mode.__exit__(None, None, None)
+        stream_ctx = getattr(self.native_ctx, "stream_ctx", None)
+        if stream_ctx is not None:
+            stream_ctx.__exit__(None, None, None)
 
 
 class _DeviceModuleBackend(Backend):
@@ -69,8 +112,8 @@ class CUDABackend(_DeviceModuleBackend):
 
     def graph_context(self, native_graph: Any, *, pool: Any, stream: Any, capture_error_mode: str,
                       auto_dispatch_capture: bool) -> ContextManager:
-        return torch.cuda.graph(cuda_graph=native_graph, pool=pool, stream=stream,
-                                capture_error_mode=capture_error_mode)
+        ctx = torch.cuda.graph(cuda_graph=native_graph, pool=pool, stream=stream, capture_error_mode=capture_error_mode)
+        return _NativeGraphContext(self, ctx, native_graph, auto_dispatch_capture=False)
 
 
 class NPUBackend(_DeviceModuleBackend):
@@ -100,9 +143,27 @@ class NPUBackend(_DeviceModuleBackend):
     def __init__(self) -> None:
         from ..handlers import sync_with_torch_npu
         sync_with_torch_npu()  # handlers registered before torch_npu was loaded
+        # Graph updates came with torch_npu 2.8.0.post1; older graph() takes no auto_dispatch_capture at all.
+        self.supports_update = hasattr(torch.npu.NPUGraph, "update") and \
+            "auto_dispatch_capture" in inspect.signature(torch.npu.graph).parameters
+
+    def before_capture(self) -> None:
+        get_level = getattr(torch.npu, "get_task_queue_enable", None)
+        level = int(get_level()) if get_level is not None else int(os.environ.get("TASK_QUEUE_ENABLE", "1"))
+        if level == 2:
+            raise GraphCaptureError(
+                "torch_npu cannot capture graphs at task-queue level 2 (TASK_QUEUE_ENABLE=2: 'Do not support "
+                "TASK_QUEUE_ENABLE = 2 during NPU graph capture'); export TASK_QUEUE_ENABLE=1 (or 0) before "
+                "starting Python")
 
     def update(self, native_graph: Any, cpu_update_input: List[Dict[str, Any]]) -> None:
         native_graph.update(cpu_update_input=cpu_update_input)
+
+    def update_record_count(self, native_graph: Any) -> Optional[int]:
+        # torch_npu's NPUGraph keeps its _GraphDispatchMode as graph_dispatch_mode; update() checks
+        # len(cpu_update_input) against its records.
+        records = getattr(getattr(native_graph, "graph_dispatch_mode", None), "graph_dispatch_records", None)
+        return len(records) if isinstance(records, list) else None
 
     def record_event(self) -> Any:
         event = torch.npu.Event()
@@ -115,6 +176,7 @@ class NPUBackend(_DeviceModuleBackend):
 
     def graph_context(self, native_graph: Any, *, pool: Any, stream: Any, capture_error_mode: str,
                       auto_dispatch_capture: bool) -> ContextManager:
-        return torch.npu.graph(npu_graph=native_graph, pool=pool, stream=stream,
-                               auto_dispatch_capture=auto_dispatch_capture,
-                               capture_error_mode=capture_error_mode)
+        update = dict(auto_dispatch_capture=auto_dispatch_capture) if self.supports_update else {}
+        ctx = torch.npu.graph(npu_graph=native_graph, pool=pool, stream=stream, capture_error_mode=capture_error_mode,
+                              **update)
+        return _NativeGraphContext(self, ctx, native_graph, auto_dispatch_capture)
