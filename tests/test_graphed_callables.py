@@ -299,8 +299,21 @@ class TestErrors:
             ng.make_graphed_callables(model, (torch.zeros(1, 2),), names=["head"])
 
     def test_non_tensor_sample_args(self):
-        with pytest.raises(ng.GraphCaptureError, match="Linear: sample arguments must be tensors, None or bools.*int"):
+        with pytest.raises(ng.GraphCaptureError, match="Linear: call arguments must be tensors, None or bools.*"
+                                                       r"\(got argument 1: int\)"):
             ng.make_graphed_callables(nn.Linear(2, 2), (torch.zeros(1, 2), 3))
+        with pytest.raises(ng.GraphCaptureError, match="got keyword 'scale': float"):
+            ng.make_graphed_callables(nn.Linear(2, 2), (torch.zeros(1, 2),), sample_kwargs={"scale": 0.5})
+
+    def test_names_and_max_signatures_need_one_per_callable(self):
+        a, b, x = nn.Linear(2, 2), nn.Linear(2, 2), torch.zeros(1, 2)
+        with pytest.raises(ValueError, match="2 callables but 2 max_signatures and 1 names"):
+            ng.make_graphed_callables((a, b), ((x,), (x,)), names=["a"])
+        with pytest.raises(ValueError, match="2 callables but 1 max_signatures"):
+            ng.make_graphed_callables((a, b), ((x,), (x,)), max_signatures=[2])
+        assert ng.graphed_state(a) is None and ng.graphed_state(b) is None
+        ng.make_graphed_callables(a, (x,), names="encoder")
+        assert ng.graphed_state(a).name == "encoder"
 
     def test_item_in_forward_names_module_op_and_line(self):
         class Bad(nn.Module):

@@ -417,7 +417,7 @@ def _plain_forward(module: nn.Module) -> Callable:
     return types.MethodType(type(module).forward, module)
 
 
-def _check_callable(func: Callable, name: str, flat_args: List[Any], backend: Backend) -> None:
+def _check_callable(func: Callable, name: str, args: tuple, kwargs: Dict[str, Any], backend: Backend) -> None:
     def refuse(message: str) -> GraphCaptureError:
         return GraphCaptureError(message, module_name=name)
 
@@ -442,10 +442,13 @@ def _check_callable(func: Callable, name: str, flat_args: List[Any], backend: Ba
             if buf.requires_grad:
                 raise refuse(f"{name}: buffer {buf_name!r} requires grad; graphed modules need buffers with "
                              "requires_grad=False (make it a Parameter instead)")
-    bad = [type(a).__name__ for a in flat_args if not isinstance(a, torch.Tensor) and not _is_constant(a)]
+    labelled = [(f"argument {i}", v) for i, v in enumerate(args)] + [(f"keyword {k!r}", v) for k, v in kwargs.items()]
+    bad = [f"{label}: {type(leaf).__name__}" for label, value in labelled for leaf in tree_flatten(value)[0]
+           if not isinstance(leaf, torch.Tensor) and not _is_constant(leaf)]
     if bad:
-        raise refuse(f"{name}: sample arguments must be tensors, None or bools (got {', '.join(bad)}); pass "
-                     "other values through a closure or module attribute, or keep this callable eager")
+        raise refuse(f"{name}: call arguments must be tensors, None or bools, whose values a graph can take anew "
+                     f"on each replay (got {', '.join(bad)}); pass such values as tensors or through a module "
+                     "attribute, or keep this module eager (NPUGraphCallback(on_failure='eager'))")
     if backend.autocast_state()[0] and torch.is_autocast_cache_enabled():
         raise refuse(f"{name}: graphing under autocast needs cache_enabled=False "
                      f"(torch.autocast('{backend.device_type}', ..., cache_enabled=False))")
@@ -495,8 +498,11 @@ def make_graphed_callables(
         raise ValueError(f"make_graphed_callables: {len(funcs)} callables but {len(args_list)} sample_args and "
                          f"{len(kwargs_list)} sample_kwargs")
     limits = [max_signatures] * len(funcs) if isinstance(max_signatures, int) else list(max_signatures)
-    names = list(names) if names is not None else [
+    names = [names] if isinstance(names, str) else list(names) if names is not None else [
         type(f).__name__ if isinstance(f, nn.Module) else getattr(f, "__qualname__", repr(f)) for f in funcs]
+    if not (len(limits) == len(names) == len(funcs)):
+        raise ValueError(f"make_graphed_callables: {len(funcs)} callables but {len(limits)} max_signatures and "
+                         f"{len(names)} names; give one per callable (or an int max_signatures for all)")
     chosen = get_backend(backend)
     pool = pool if pool is not None else chosen.graph_pool_handle()
     batch = next(_batch_ids)
@@ -506,7 +512,7 @@ def make_graphed_callables(
         if not isinstance(args, tuple):
             raise TypeError(f"{name}: sample_args must be a tuple of tensors (got {type(args).__name__})")
         flat, spec = _flatten_call(args, kwargs)
-        _check_callable(func, name, flat, chosen)
+        _check_callable(func, name, args, kwargs, chosen)
         state = GraphedCallable(func, name, chosen, num_warmup_iters, allow_unused_input, limit, capture_error_mode,
                                 auto_dispatch_capture)
         sig = _CapturedSignature(state, list(flat), spec, pool, (batch, index))
