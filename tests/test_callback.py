@@ -189,6 +189,15 @@ class TestModuleSelection:
         assert [r["module"] for r in callback.report()] == ["blocks.0.lin", "blocks.1.lin"]
         assert _same_params(eager, graphed)
 
+    @pytest.mark.parametrize("pattern", ["blocks", "*"])
+    def test_containers_stand_for_their_children(self, pattern):
+        # `blocks` is a ModuleList (never called itself); "*" also matches embed and head
+        callback = NPUGraphCallback(modules=[pattern], modules_only=True, warmup_steps=2)
+        fit(callbacks=[callback], max_steps=6)
+        expected = ["blocks.0", "blocks.1"] if pattern == "blocks" else ["embed", "blocks.0", "blocks.1", "head"]
+        assert [r["module"] for r in callback.report()] == expected
+        assert all(r["status"] == "graphed" and r["replays"] == 4 for r in callback.report())
+
     def test_pattern_matching_nothing_is_an_error(self):
         with pytest.raises(MisconfigurationException, match=r"'decoder\.\*' matches no submodule.*embed"):
             fit(callbacks=[NPUGraphCallback(modules=["decoder.*"])], max_steps=2)
@@ -264,3 +273,28 @@ def test_capture_waits_when_the_recorded_batch_is_short():
         assert [s["description"] for s in row["signatures"]] == ["(float32[8, 8]*)"]  # *: requires grad
         assert row["replays"] == 36 - 10 - 3
         assert sum(n for r, n in row["eager_calls"].items() if "6, 8" in r) == 3
+
+
+def test_detect_anomaly_is_refused_at_fit_start():
+    with pytest.raises(MisconfigurationException, match=r"mode='submodules'\) cannot capture with Trainer\(detect_an"):
+        fit(callbacks=[NPUGraphCallback()], detect_anomaly=True, max_steps=2)
+
+
+def test_fit_ending_before_capture_warns():
+    with pytest.warns(UserWarning, match=r"fit ended after 3 training steps, before capture \(warmup_steps=5\)"):
+        fit(callbacks=[NPUGraphCallback(warmup_steps=5)], max_steps=3)
+
+
+def test_report_puts_capture_errors_on_their_own_line_and_explains_the_star():
+    from npugraph_train.callbacks.report import format_report
+
+    rows = [{"module": "blocks.0", "status": "capture failed, runs eager: op aten.item reads tensor data on the host",
+             "signatures": [], "replays": 0, "eager_calls": {"capture failed": 3}},
+            {"module": "blocks.1", "status": "graphed", "replays": 4, "eager_calls": {},
+             "signatures": [{"description": "(float32[8, 8]*)", "replays": 4, "capture_seconds": 0.01,
+                             "pool_bytes": None}]}]
+    lines = format_report(rows, mode="submodules", backend="emulate").splitlines()
+    assert lines[1:3] == ["  blocks.0: replays 0, eager calls 3",
+                          "    status: capture failed, runs eager: op aten.item reads tensor data on the host"]
+    assert lines[4] == "  blocks.1: graphed; replays 4, eager calls 0"
+    assert lines[-1] == "  (* after a shape: that input requires grad)"

@@ -233,7 +233,7 @@ class TestRefusals:
                 self.log("lr_float", 0.5)
                 return super().training_step(batch, batch_idx)
 
-        with pytest.raises(MisconfigurationException, match="training_step logs 'lr_float' as a float.*tensor"):
+        with pytest.raises(MisconfigurationException, match="training_step logs 'lr_float' as a Python float.*tensor"):
             self._fit(LogsFloat())
 
     def test_detect_anomaly(self):
@@ -326,7 +326,7 @@ def test_capture_waits_for_a_batch_shaped_like_the_previous_one():
     report = t.callbacks[-1].report()[0]
     assert [s["description"] for s in report["signatures"]] == ["(float32[8, 4], float32[8, 1])"]
     assert report["replays"] == 36 - 10 - 3
-    assert report["eager_calls"] == {"capture waits for a batch shaped like the previous one": 2,
+    assert report["eager_calls"] == {"capture waits for a batch like the previous one (shapes, values)": 2,
                                      "batch (float32[6, 4], float32[6, 1]) differs from the captured one": 3}
 
 
@@ -340,5 +340,29 @@ def test_capture_waits_at_most_two_steps():
     t.fit(model, torch.utils.data.DataLoader(data, batch_size=None))
     report = t.callbacks[-1].report()[0]
     assert report["signatures"][0]["description"] == "(float32[8, 4], float32[8, 1])"  # step 4
-    assert report["eager_calls"]["capture waits for a batch shaped like the previous one"] == 2
+    assert report["eager_calls"]["capture waits for a batch like the previous one (shapes, values)"] == 2
     assert report["replays"] == 2  # steps 4 and 8
+
+
+def test_batches_with_changing_non_tensor_values_run_eager_and_say_why():
+    class WithIds(Scheduled):
+        def training_step(self, batch, batch_idx):
+            x, y, _ids = batch
+            return super().training_step((x, y), batch_idx)
+
+    torch.manual_seed(0)
+    data = [(torch.randn(4), torch.randn(1), f"sample-{i}") for i in range(32)]
+    t = trainer([NPUGraphCallback(mode="whole_step", warmup_steps=2)], max_steps=8, val_check_interval=None,
+                limit_val_batches=0)
+    with pytest.warns(RuntimeWarning, match="non-tensor values.*leave them out of the batch"):
+        t.fit(WithIds(), torch.utils.data.DataLoader(data, batch_size=4))
+    report = t.callbacks[-1].report()[0]
+    assert report["replays"] == 1  # the capture step itself
+    reasons = report["eager_calls"]
+    assert sum(n for r, n in reasons.items() if "non-tensor values" in r) == 3 and len(reasons) == 2
+    assert "'sample-16'" in report["signatures"][0]["description"]
+
+
+def test_max_signatures_in_whole_step_mode_warns():
+    with pytest.warns(UserWarning, match="whole-step mode captures one batch shape.*max_signatures applies to"):
+        _run({}, {"max_signatures": 2}, max_steps=4)

@@ -33,10 +33,26 @@ def key_of(batch: Any) -> BatchKey:
     return batch_key(*tree_flatten(batch))
 
 
+def _describe_leaf(k: Any) -> str:
+    if k[0] != "value":
+        return f"{str(k[1]).replace('torch.', '')}{list(k[0])}"
+    text = repr(k[1])
+    return text if len(text) <= 24 else f"{type(k[1]).__name__} {text[:16]}..."
+
+
 def describe(key: BatchKey) -> str:
     """``(float32[8, 4], float32[8, 1])``: the leaves of a batch key, as the capture report shows them."""
-    return "(" + ", ".join(f"{str(k[1]).replace('torch.', '')}{list(k[0])}" if k[0] != "value" else repr(k[1])
-                           for k in key[1]) + ")"
+    return "(" + ", ".join(_describe_leaf(k) for k in key[1]) + ")"
+
+
+def values_differ(key: BatchKey, other: BatchKey) -> bool:
+    """True if the two batches differ only in non-tensor values (ids, file names, flags)."""
+    return key[0] == other[0] and len(key[1]) == len(other[1]) and all(
+        k == o or (k[0] == "value" and o[0] == "value") for k, o in zip(key[1], other[1]))
+
+
+VALUES_DIFFER = ("its non-tensor values (ids, names, flags) differ, which a graph bakes in; leave them out of "
+                 "the batch (collate_fn, on_before_batch_transfer) or make them tensors")
 
 
 def ready_to_capture(key: BatchKey, previous: Optional[BatchKey], delayed: int) -> bool:

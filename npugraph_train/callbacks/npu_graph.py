@@ -78,6 +78,11 @@ class NPUGraphCallback(Callback):
         if self.config.mode == "off":
             rank_zero_warn("NPUGraphCallback(mode='off'): graph capture is off; training runs eager")
             return
+        if trainer._detect_anomaly:
+            raise MisconfigurationException(
+                f"NPUGraphCallback(mode={self.config.mode!r}) cannot capture with Trainer(detect_anomaly=True): "
+                "anomaly checks read every backward output on the host; set detect_anomaly=False (debug eager "
+                "with mode='off')")
         backend = get_backend(self.config.backend)
         if self.config.auto_dispatch_capture and not backend.supports_update:
             raise MisconfigurationException(
@@ -90,6 +95,10 @@ class NPUGraphCallback(Callback):
                 "(self, batch) returning the cpu_update_input of each batch (a list of dicts, one per updatable "
                 "op in capture order, or one dict for all)")
         if self.config.mode == "whole_step":
+            if self.config.max_signatures > 1:
+                rank_zero_warn(f"NPUGraphCallback(mode='whole_step', max_signatures={self.config.max_signatures}): "
+                               "whole-step mode captures one batch shape, and batches of other shapes run as eager "
+                               "steps; max_signatures applies to mode='submodules'")
             self._whole = WholeStepGrapher(self.config, backend)
             self._whole.check_trainer(trainer, pl_module)
         else:
@@ -127,8 +136,12 @@ class NPUGraphCallback(Callback):
             self._grapher.stop_recording()
 
     def on_train_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
-        if any(row["status"] == "graphed" for row in self.report()):
+        rows = self.report()
+        if any(row["status"] == "graphed" for row in rows):
             self._fits_captured += 1
+        elif rows and self._step <= self.config.warmup_steps:
+            rank_zero_warn(f"NPUGraphCallback: fit ended after {self._step} training steps, before capture "
+                           f"(warmup_steps={self.config.warmup_steps}); nothing ran as a graph")
         # Before strategy.teardown moves the module: captured graphs hold the device addresses.
         self._release(trainer)
         if self.config.log_report and self.report():

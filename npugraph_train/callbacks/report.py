@@ -21,10 +21,17 @@ def format_report(rows: List[Dict[str, Any]], mode: str, backend: str) -> str:
         lines.append("  no modules graphed")
     for row in rows:
         eager = sum(row["eager_calls"].values())
-        lines.append(f"  {row['module']}: {row['status']}; replays {row['replays']}, eager calls {eager}")
+        counts = f"replays {row['replays']}, eager calls {eager}"
+        status = row["status"]
+        if len(status) <= 40:
+            lines.append(f"  {row['module']}: {status}; {counts}")
+        else:  # a capture error: on a line of its own
+            lines += [f"  {row['module']}: {counts}", f"    status: {status}"]
         for sig in row["signatures"]:
             lines.append(f"    signature {sig['description']}: replays {sig['replays']}, "
                          f"capture {sig['capture_seconds'] * 1e3:.1f} ms, pool {_bytes(sig['pool_bytes'])}")
         for reason, count in row["eager_calls"].items():
             lines.append(f"    eager x{count}: {reason}")
+    if any("*" in sig["description"] for row in rows for sig in row["signatures"]):
+        lines.append("  (* after a shape: that input requires grad)")
     return "\n".join(lines)

@@ -15,7 +15,7 @@ from ..config import NPUGraphConfig
 from ..graphed import GraphCaptureError, graph_safe_modules, graphed_state, make_graphed_callables, ungraph
 from ..graphed.backends import Backend
 from ..graphed.marker import GraphSafeOptions, merge_options
-from .batch import BatchKey, describe, key_of, ready_to_capture
+from .batch import VALUES_DIFFER, BatchKey, describe, key_of, ready_to_capture, values_differ
 
 
 def select_modules(model: nn.Module, config: NPUGraphConfig) -> List[Tuple[str, nn.Module]]:
@@ -34,6 +34,15 @@ def select_modules(model: nn.Module, config: NPUGraphConfig) -> List[Tuple[str, 
         raise MisconfigurationException(
             f"NPUGraphCallback: the LightningModule {type(model).__name__} itself is marked @graph_safe; mark "
             "its submodules instead (the whole training step is mode='whole_step')")
+    # Containers without a forward (ModuleList, ModuleDict) are never called: `modules=["blocks"]` means
+    # their children.
+    pending, chosen = list(chosen), set()
+    while pending:
+        name = pending.pop()
+        if type(named[name]).forward is nn.Module.forward:
+            pending += [f"{name}.{child}" for child, _ in named[name].named_children()]
+        else:
+            chosen.add(name)
     outermost: List[str] = []
     for name in named:
         if name in chosen and not any(name.startswith(outer + ".") for outer in outermost):
@@ -83,9 +92,11 @@ class SubmoduleGrapher:
             return
         if warmed_up:
             self._capture_delay += 1
-            rank_zero_warn(f"NPUGraphCallback: this step's batch {describe(key)} is shaped unlike the "
-                           f"previous step's {describe(self._recorded_key)}; capture waits for a batch "
-                           "shaped like the one before it, so that a short last batch is not the shape captured")
+            how = VALUES_DIFFER if values_differ(key, self._recorded_key) else \
+                f"it is shaped unlike the previous step's {describe(self._recorded_key)}"
+            rank_zero_warn(f"NPUGraphCallback: capture waits for a batch like the one before it (so that a short "
+                           f"last batch is not the shape captured): this step's batch {describe(key)} differs, "
+                           f"{how}")
         self._recorded_key = key
         self.start_recording()
 

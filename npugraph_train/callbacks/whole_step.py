@@ -32,7 +32,7 @@ from ..config import NPUGraphConfig
 from ..graphed import Graph, GraphCaptureError, graph
 from ..graphed.backends import Backend
 from ..optim import check_capture_safe, clip_grad_norm_, make_capturable
-from .batch import BatchKey, batch_key, describe, ready_to_capture
+from .batch import VALUES_DIFFER, BatchKey, batch_key, describe, ready_to_capture, values_differ
 
 # The LightningModule method that maps a batch to the cpu_update_input of its graphs (auto_dispatch_capture).
 UPDATE_HOOK = "npugraph_update_input"
@@ -58,7 +58,7 @@ class _LogRecorder:
         fx = self.module._current_fx_name
         if not isinstance(value, torch.Tensor):
             raise MisconfigurationException(
-                f"whole_step: {fx} logs {name!r} as a {type(value).__name__}; a captured step would log the "
+                f"whole_step: {fx} logs {name!r} as a Python {type(value).__name__}; a captured step would log the "
                 "capture step's value forever. Log a tensor (e.g. self.log(name, loss.detach())), or log "
                 "outside the training step (on_train_batch_end)")
         self.calls.append((fx, name, f"{fx}.{name}", value, args, kwargs))
@@ -109,7 +109,7 @@ class WholeStepGrapher:
         self.pool_bytes: Optional[int] = None
         self.eager_steps: Counter = Counter()
         self.status = "not captured yet"
-        self._warned = False
+        self._warned: set = set()  # kinds of eager steps warned about
         self._loop: Optional[_WholeStepOptimization] = None
         self._original_loop: Optional[_AutomaticOptimization] = None
         self._original_clip: Optional[Callable] = None
@@ -132,9 +132,6 @@ class WholeStepGrapher:
         if getattr(trainer.precision_plugin, "scaler", None) is not None:
             refuse(f"precision={trainer.precision!r} with a GradScaler, which reads found-inf on the host",
                    "use precision='bf16-mixed' or '32-true'")
-        if trainer._detect_anomaly:
-            refuse("with Trainer(detect_anomaly=True) (anomaly checks read values on the host)",
-                   "set detect_anomaly=False")
         if is_overridden("optimizer_step", pl_module):
             refuse(f"{type(pl_module).__name__}.optimizer_step, which is overridden (its Python would run once)",
                    "remove the override (schedulers and clipping have hooks of their own), or use mode='submodules'")
@@ -254,11 +251,13 @@ class WholeStepGrapher:
         self.logs.emit()
         return tree_map(_clone, self.static_result)
 
-    def count_eager(self, reason: str) -> None:
-        if not self._warned:
-            self._warned = True
-            warnings.warn(f"npugraph_train: training step ran eager: {reason}. Later eager steps are only counted "
-                          "(NPUGraphCallback.report())", RuntimeWarning, stacklevel=2)
+    def count_eager(self, reason: str, kind: Optional[str] = None) -> None:
+        """Count an eager step under ``reason``; warn once per ``kind`` (the reason, unless it varies)."""
+        kind = kind or reason
+        if kind not in self._warned:
+            self._warned.add(kind)
+            warnings.warn(f"npugraph_train: training step ran eager: {reason}. Later eager steps for this reason "
+                          "are only counted (NPUGraphCallback.report())", RuntimeWarning, stacklevel=2)
         self.eager_steps[reason] += 1
 
     def release(self) -> None:
@@ -301,11 +300,14 @@ class _WholeStepOptimization(_AutomaticOptimization):
             if not ready_to_capture(key, previous, grapher.capture_delay):
                 grapher.capture_delay += 1
                 return self.eager_step(optimizer, batch_idx, kwargs,
-                                       "capture waits for a batch shaped like the previous one")
+                                       "capture waits for a batch like the previous one (shapes, values)")
             return grapher.capture(self, optimizer, batch_idx, kwargs, leaves, spec)
         if key != grapher.key:
-            return self.eager_step(optimizer, batch_idx, kwargs,
-                                   f"batch {describe(key)} differs from the captured one")
+            if values_differ(key, grapher.key):
+                return self.eager_step(optimizer, batch_idx, kwargs,
+                                       f"batch differs from the captured one: {VALUES_DIFFER}")
+            return self.eager_step(optimizer, batch_idx, kwargs, f"batch {describe(key)} differs from the captured "
+                                   "one", kind="shape")
         result = grapher.replay_step(self, leaves, kwargs["batch"])
         progress = self.optim_progress.optimizer
         progress.zero_grad.increment_ready()
@@ -315,6 +317,7 @@ class _WholeStepOptimization(_AutomaticOptimization):
         progress.step.increment_completed()
         return result
 
-    def eager_step(self, optimizer: Any, batch_idx: int, kwargs: OrderedDict, reason: str) -> Dict[str, Any]:
-        self.grapher.count_eager(reason)
+    def eager_step(self, optimizer: Any, batch_idx: int, kwargs: OrderedDict, reason: str,
+                   kind: Optional[str] = None) -> Dict[str, Any]:
+        self.grapher.count_eager(reason, kind)
         return super().run(optimizer, batch_idx, kwargs)

@@ -39,7 +39,7 @@ from .errors import GraphCaptureError, GraphStateError
 from .graphs import Graph, graph
 
 _batch_ids = itertools.count()
-_MODE_DIFFERS = "module mode differs from capture (train/eval)"
+_MODE_DIFFERS = "train/eval mode differs from capture (validation and test run eager by design)"
 
 
 def _is_constant(leaf: Any) -> bool:

@@ -108,7 +108,7 @@ class Graph:
                 raise GraphStateError("replay() during this graph's own capture; call capture_end() first")
             if self._state == _FAILED:
                 raise GraphStateError("replay() of a graph whose capture failed; reset() it and capture again")
-            raise GraphStateError("replay() before any capture; capture into this graph first")
+            raise GraphStateError("replay() of an empty graph (never captured, or reset()); capture into it first")
         if _active_capture is not None:
             raise GraphStateError("replay() while another graph is being captured (a nested replay); "
                                   "replay before or after that capture")

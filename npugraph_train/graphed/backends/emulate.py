@@ -83,9 +83,9 @@ def user_source_line() -> str:
 
 def _capture_error(what: str) -> GraphCaptureError:
     return GraphCaptureError(
-        f"{what} during graph capture at {user_source_line()}. A graph cannot wait for the host to read "
-        "device data; move it out of the captured region, or keep the value on the device "
-        "(e.g. torch.where instead of a Python branch).")
+        f"{what} during graph capture at {user_source_line()}. A replayed graph runs without the host: it "
+        "cannot hand device data to it or take host data from it; move this out of the captured region, or "
+        "keep the value on the device (e.g. torch.where instead of a Python branch, a tensor made before capture).")
 
 
 class EmulatedStream:
