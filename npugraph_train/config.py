@@ -112,8 +112,11 @@ class NPUGraphConfig:
         try:
             merged = OmegaConf.merge(schema, cfg if cfg is not None else {}, overrides)
         except OmegaConfBaseException as exc:
+            key = getattr(exc, "full_key", None)
+            expected = {f.name: f.type for f in fields(cls)}.get(key)
+            where = f" at {key!r} (expected {expected})" if expected else ""
             raise MisconfigurationException(
-                f"invalid npugraph_train config: {str(exc).splitlines()[0]}. "
+                f"invalid npugraph_train config{where}: {str(exc).splitlines()[0]}. "
                 f"Valid keys: {', '.join(valid)}") from None
         return cls(**OmegaConf.to_container(merged, resolve=True))
 

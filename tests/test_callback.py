@@ -231,8 +231,18 @@ class TestConfig:
     def test_from_config_rejects_unknown_keys_and_types(self):
         with pytest.raises(MisconfigurationException, match="warmup_step.*Valid keys: mode, warmup_steps"):
             NPUGraphCallback.from_config({"warmup_step": 3})
-        with pytest.raises(MisconfigurationException, match="warmup_steps"):
+        with pytest.raises(MisconfigurationException, match="at 'warmup_steps' \\(expected int\\)"):
             NPUGraphCallback.from_config(OmegaConf.create({"warmup_steps": "three"}))
+        with pytest.raises(MisconfigurationException, match="at 'modules' \\(expected List\\[str\\]\\)"):
+            NPUGraphCallback.from_config({"modules": "blocks.*"})
+
+    def test_hydra_target_with_a_typo_names_the_valid_settings(self):
+        from hydra.utils import instantiate
+
+        node = OmegaConf.create({"_target_": "npugraph_train.NPUGraphCallback", "mdoe": "whole_step"})
+        with pytest.raises(Exception, match="unknown settings 'mdoe' \\(did you mean 'mode'\\?\\); valid settings: "
+                                            "mode, warmup_steps"):
+            instantiate(node)
 
     def test_from_config_dataclass_dict_and_dictconfig(self):
         structured = OmegaConf.structured(NPUGraphConfig(modules=["blocks.*"], max_signatures=2))

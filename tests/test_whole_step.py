@@ -366,3 +366,20 @@ def test_batches_with_changing_non_tensor_values_run_eager_and_say_why():
 def test_max_signatures_in_whole_step_mode_warns():
     with pytest.warns(UserWarning, match="whole-step mode captures one batch shape.*max_signatures applies to"):
         _run({}, {"max_signatures": 2}, max_steps=4)
+
+
+def test_checkpoint_is_the_plain_optimizers_and_resumes_without_the_callback(tmp_path):
+    _, _, t = _run({"optimizer": "adamw", "convert": False}, {}, max_steps=8, val_check_interval=None,
+                   limit_val_batches=0)
+    optimizer = t.optimizers[0]
+    assert type(optimizer).__name__ == "AdamW"  # LearningRateMonitor's "lr-AdamW" stays as it was
+    path = tmp_path / "whole_step.ckpt"
+    t.save_checkpoint(path)
+    group = torch.load(path, weights_only=False)["optimizer_states"][0]["param_groups"][0]
+    assert isinstance(group["lr"], float) and group["capturable"] is False and group["foreach"] is None
+    assert optimizer.param_groups[0]["capturable"] and isinstance(optimizer.param_groups[0]["lr"], torch.Tensor)
+    # an eager fit on the CPU, without npugraph_train, picks it up (torch refuses capturable=True on the CPU)
+    torch.manual_seed(0)
+    resumed = trainer([], max_steps=12, val_check_interval=None, limit_val_batches=0)
+    resumed.fit(Scheduled(optimizer="adamw", convert=False), loaders()[0], ckpt_path=path)
+    assert resumed.global_step == 12

@@ -28,6 +28,8 @@ teardown; a resumed or second fit captures anew after its own warmup steps.
 """
 from __future__ import annotations
 
+import difflib
+from dataclasses import fields
 from typing import Any, Dict, List, Mapping, Optional, Union
 
 import lightning.pytorch as pl
@@ -50,7 +52,13 @@ class NPUGraphCallback(Callback):
                  modules_only: bool = False, num_warmup_iters: int = 3, backend: str = "auto",
                  on_failure: str = "raise", max_signatures: int = 1, capture_error_mode: str = "thread_local",
                  auto_dispatch_capture: bool = False, convert_optimizers: bool = True,
-                 log_report: bool = True) -> None:
+                 log_report: bool = True, **unknown: Any) -> None:
+        if unknown:  # e.g. a typo in a Hydra `_target_: npugraph_train.NPUGraphCallback` node
+            valid = [f.name for f in fields(NPUGraphConfig)]
+            hints = [f"{key!r} (did you mean {close[0]!r}?)" if close else repr(key)
+                     for key, close in ((k, difflib.get_close_matches(k, valid, n=1)) for k in unknown)]
+            raise MisconfigurationException(f"NPUGraphCallback got unknown settings {', '.join(hints)}; valid "
+                                            f"settings: {', '.join(valid)}")
         self.config = NPUGraphConfig(
             mode=mode, warmup_steps=warmup_steps, modules=[] if modules is None else modules,
             modules_only=modules_only, num_warmup_iters=num_warmup_iters, backend=backend, on_failure=on_failure,

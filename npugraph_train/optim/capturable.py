@@ -66,12 +66,27 @@ def _accept_cpu() -> Iterator[None]:
 class CapturableOptimizer:
     """Mixin of the classes :func:`make_capturable` gives optimizers; ``isinstance`` tells converted ones."""
 
+    # Per param group, the settings make_capturable changed, as the user made them.
+    _plain_settings: List[Dict[str, Any]]
+
     def step(self, closure: Any = None) -> Any:
         params = _params(self)  # type: ignore[arg-type]
         if params and params[0].device.type == "cpu":
             with _accept_cpu():
                 return super().step(closure)  # type: ignore[misc]
         return super().step(closure)  # type: ignore[misc]
+
+    def state_dict(self) -> Dict[str, Any]:
+        """The plain optimizer's state dict: checkpoints resume without npugraph_train, on any device."""
+        state = super().state_dict()  # type: ignore[misc]
+        for group, plain in zip(state["param_groups"], getattr(self, "_plain_settings", [])):
+            for key in ("lr", "initial_lr"):
+                if plain["float_lr"] and isinstance(group.get(key), torch.Tensor):
+                    group[key] = group[key].item()  # the (scheduled) value, a float again
+            for key in ("capturable", "foreach"):
+                if key in group:
+                    group[key] = plain[key]
+        return state
 
 
 class CapturableSGD(SGD):
@@ -121,7 +136,8 @@ _classes: Dict[Type[Optimizer], Type[Optimizer]] = {}
 def _capturable_class(cls: Type[Optimizer]) -> Type[Optimizer]:
     base = CapturableSGD if cls is SGD else cls
     if cls not in _classes:
-        _classes[cls] = type(f"Capturable{cls.__name__}", (CapturableOptimizer, base), {})
+        # Named like the class it converts: LearningRateMonitor and loggers key metrics on the class name.
+        _classes[cls] = type(cls.__name__, (CapturableOptimizer, base), {"__qualname__": f"Capturable{cls.__name__}"})
     return _classes[cls]
 
 
@@ -193,7 +209,10 @@ def make_capturable(optimizer: Any, device: Optional[torch.device] = None) -> An
     opt = _unwrap(optimizer)
     if not isinstance(opt, CapturableOptimizer):
         _refuse_unsupported(opt)
+        plain = [{"float_lr": not isinstance(g["lr"], torch.Tensor), "capturable": g.get("capturable"),
+                  "foreach": g.get("foreach")} for g in opt.param_groups]
         opt.__class__ = _capturable_class(type(opt))
+        opt._plain_settings = plain
         _retarget_scheduler_wrapper(opt)
     for group in opt.param_groups:
         target = device or (group["params"][0].device if group["params"] else torch.device("cpu"))
