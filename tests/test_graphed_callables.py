@@ -162,6 +162,8 @@ def test_signature_cache_captures_up_to_max_signatures():
     assert [s["description"] for s in report["signatures"]] == ["(float32[5, 4])", "(float32[2, 4])"]
     assert [s["replays"] for s in report["signatures"]] == [2, 2]
     assert sum(report["eager_calls"].values()) == 1
+    model(torch.randn(5, 4, requires_grad=True))
+    assert "differs from a captured one only in which inputs require grad" in list(state.eager_calls)[-1]
 
 
 class Twice(nn.Module):

@@ -28,7 +28,7 @@ import warnings
 import weakref
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.nn as nn
@@ -72,6 +72,15 @@ def _describe(signature: tuple) -> str:
             parts.append(f"{str(dtype).replace('torch.', '')}{list(shape)}{'*' if requires_grad else ''}")
     enabled, dtype = signature[2]
     return f"({', '.join(parts)})" + (f" autocast {str(dtype).replace('torch.', '')}" if enabled else "")
+
+
+def _requires_grad_hint(key: tuple, captured: Iterable[tuple]) -> str:
+    def without_grad(signature: tuple) -> tuple:
+        return signature[0], tuple(leaf[:3] if len(leaf) == 4 else leaf for leaf in signature[1]), signature[2]
+
+    if any(without_grad(key) == without_grad(other) for other in captured):
+        return "; it differs from a captured one only in which inputs require grad (marked *)"
+    return ""
 
 
 def _flatten_call(args: tuple, kwargs: Dict[str, Any]) -> Tuple[List[Any], Any]:
@@ -272,7 +281,8 @@ class GraphedCallable:
         if sig is None:
             if len(self.signatures) >= self.max_signatures:
                 return self._eager(f"signature {_describe(key)} not captured (max_signatures="
-                                   f"{self.max_signatures} reached)", args, kwargs)
+                                   f"{self.max_signatures} reached){_requires_grad_hint(key, self.signatures)}",
+                                   args, kwargs)
             if any(not isinstance(t, torch.Tensor) and not _is_constant(t) for t in flat):
                 return self._eager(f"non-tensor argument in {_describe(key)}", args, kwargs)
             if self.backend.is_current_stream_capturing():
