@@ -173,6 +173,7 @@ def test_eager_fallback_in_training_warns_once():
     fallbacks = [w for w in caught if "ran eager" in str(w.message)]
     assert len(fallbacks) == 2  # once per module, for the first short batch
     assert "float32[6, 8]" in str(fallbacks[0].message)
+    assert fallbacks[0].filename.endswith("lightning_models.py")  # the user's line that called the block
 
 
 class TestModuleSelection:

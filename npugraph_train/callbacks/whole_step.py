@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import copy
 import time
-import warnings
 from collections import Counter, OrderedDict
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
@@ -31,6 +30,7 @@ from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 from ..config import NPUGraphConfig
 from ..graphed import Graph, GraphCaptureError, graph
 from ..graphed.backends import Backend
+from ..graphed.user_code import warn_at_user_code
 from ..optim import check_capture_safe, clip_grad_norm_, make_capturable
 from .batch import VALUES_DIFFER, BatchKey, batch_key, describe, ready_to_capture, values_differ
 
@@ -256,8 +256,8 @@ class WholeStepGrapher:
         kind = kind or reason
         if kind not in self._warned:
             self._warned.add(kind)
-            warnings.warn(f"npugraph_train: training step ran eager: {reason}. Later eager steps for this reason "
-                          "are only counted (NPUGraphCallback.report())", RuntimeWarning, stacklevel=2)
+            warn_at_user_code(f"npugraph_train: training step ran eager: {reason}. Later eager steps for this "
+                              "reason are only counted (NPUGraphCallback.report())")
         self.eager_steps[reason] += 1
 
     def release(self) -> None:

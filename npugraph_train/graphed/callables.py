@@ -24,7 +24,6 @@ from __future__ import annotations
 import itertools
 import time
 import types
-import warnings
 import weakref
 from collections import Counter
 from dataclasses import dataclass, field
@@ -37,6 +36,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from .backends import Backend, get_backend
 from .errors import GraphCaptureError, GraphStateError
 from .graphs import Graph, graph
+from .user_code import warn_at_user_code
 
 _batch_ids = itertools.count()
 _MODE_DIFFERS = "train/eval mode differs from capture (validation and test run eager by design)"
@@ -313,8 +313,8 @@ class GraphedCallable:
         # Eval-mode calls are eager by design (validation); anything else is worth one warning.
         if not self._warned and reason != _MODE_DIFFERS:
             self._warned = True
-            warnings.warn(f"npugraph_train: {self.name} ran eager: {reason}. Later eager calls are only counted "
-                          "(graphed_state(...).report())", RuntimeWarning, stacklevel=3)
+            warn_at_user_code(f"npugraph_train: {self.name} ran eager: {reason}. Later eager calls are only "
+                              "counted (graphed_state(...).report())")
         self.eager_calls[reason] += 1
         return self.call_original(*args, **kwargs)
 

@@ -39,10 +39,7 @@ from __future__ import annotations
 import copy
 import functools
 import itertools
-import os
-import sysconfig
 import threading
-import traceback
 import warnings
 from contextlib import contextmanager
 from typing import Any, Callable, ContextManager, Dict, Iterator, List, Optional, Tuple
@@ -54,6 +51,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from ..errors import GraphCaptureError
 from ..handlers import DispatchRecord, apply_update, handler_for
+from ..user_code import user_source_line
 from .base import Backend
 
 _pool_ids = itertools.count(1)
@@ -66,20 +64,6 @@ _UNANNOTATED_WRITES = {torch.ops.aten.native_batch_norm.default: (3, 4)}
 # Tensor methods that read data on the host without dispatching an ATen op (printing disables modes).
 _HOST_READ_METHODS = {torch.Tensor.tolist, torch.Tensor.numpy, torch.Tensor.__array__, torch.Tensor.__repr__,
                       torch.Tensor.__str__, torch.Tensor.__format__, torch.Tensor.cpu}
-
-_SKIP_DIRS = tuple(os.path.dirname(p) + os.sep for p in (torch.__file__, __file__.rsplit(os.sep, 3)[0] + os.sep))
-_STDLIB = sysconfig.get_paths()["stdlib"] + os.sep
-
-
-def user_source_line() -> str:
-    """``file:line: code`` of the innermost frame outside torch, npugraph_train, Lightning and the stdlib."""
-    for frame in reversed(traceback.extract_stack()):
-        path = frame.filename
-        if path.startswith(_SKIP_DIRS) or path.startswith(_STDLIB) or f"{os.sep}lightning{os.sep}" in path:
-            continue
-        return f"{path}:{frame.lineno}: {(frame.line or '').strip()}"
-    return "<unknown source line>"
-
 
 def _capture_error(what: str) -> GraphCaptureError:
     return GraphCaptureError(
