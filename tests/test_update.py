@@ -375,3 +375,12 @@ def test_update_of_an_op_no_handler_is_registered_for_says_so():
             g.update([{}])
     finally:
         register_graph_handler("shift.default")(ShiftHandler)
+
+
+def test_npu_update_keys_are_checked_before_torch_npu_ignores_them(npu_double):
+    g, x, y = _capture_masked_mean([6, 6, 6])
+    with pytest.raises(KeyError, match="'seq_lens'.*not updatable.*masked_mean.default"):
+        g.update([{"seq_lens": [1, 1, 1]}])
+    with pytest.raises(ValueError, match="2 entries but the graph captured 1 updatable ops"):
+        g.update([{"lengths": [1, 1, 1]}] * 2)
+    assert not any(c[0] == "update" for c in npu_double), "nothing reached torch_npu"

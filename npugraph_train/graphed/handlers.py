@@ -144,8 +144,9 @@ class DispatchRecord:
         return self.op_cache_entry(*self.args, **self.kwargs)
 
 
-def apply_update(records: List[DispatchRecord], cpu_update_input: List[Dict[str, Any]]) -> None:
-    """torch_npu's ``update`` semantics, with errors where torch_npu silently ignores a key."""
+def check_update(records: List[DispatchRecord], cpu_update_input: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
+    """The update of each record; errors for a wrong count and for keys no record can take (which
+    torch_npu would silently ignore, leaving the captured value in place)."""
     if not isinstance(cpu_update_input, (list, tuple)) or not all(isinstance(d, dict) for d in cpu_update_input):
         raise TypeError("cpu_update_input must be a list of dicts, one per updatable op in capture order "
                         "(or a single dict in a list, for every op)")
@@ -165,6 +166,21 @@ def apply_update(records: List[DispatchRecord], cpu_update_input: List[Dict[str,
                 "an explicit value when capturing") if missing else ""
         raise KeyError(f"update keys {sorted(unknown)} are not updatable in the captured ops "
                        f"({', '.join(sorted({r.op_name for r in records}))}){hint}")
+    return inputs
+
+
+def check_torch_npu_update(native_records: List[Any], cpu_update_input: List[Dict[str, Any]]) -> None:
+    """:func:`check_update` for torch_npu's records (``_GraphDispatchRecord``), when every recorded op has
+    a handler registered here; torch_npu's own handlers' update keys are not known here."""
+    handlers = [_HANDLERS.get(record.op_cache_entry.__name__) for record in native_records]
+    if all(handler is not None for handler in handlers):
+        check_update([DispatchRecord(r.op_cache_entry, tuple(r.args), dict(r.kwargs), handler)
+                      for r, handler in zip(native_records, handlers)], cpu_update_input)
+
+
+def apply_update(records: List[DispatchRecord], cpu_update_input: List[Dict[str, Any]]) -> None:
+    """torch_npu's ``update`` semantics (for the emulator), with the errors of :func:`check_update`."""
+    inputs = check_update(records, cpu_update_input)
     for record, update in zip(records, inputs):
         # Consumed now, as torch_npu re-issues the op at update time: later changes to a list don't count.
         update = {k: v if isinstance(v, torch.Tensor) else copy.deepcopy(v) for k, v in update.items()}

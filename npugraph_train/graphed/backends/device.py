@@ -15,6 +15,7 @@ from typing import Any, ContextManager, Dict, List, Optional, Tuple
 import torch
 
 from ..errors import GraphCaptureError
+from ..handlers import check_torch_npu_update, sync_with_torch_npu
 from .base import Backend
 
 
@@ -141,7 +142,6 @@ class NPUBackend(_DeviceModuleBackend):
         return None
 
     def __init__(self) -> None:
-        from ..handlers import sync_with_torch_npu
         sync_with_torch_npu()  # handlers registered before torch_npu was loaded
         # Graph updates came with torch_npu 2.8.0.post1; older graph() takes no auto_dispatch_capture at all.
         self.supports_update = hasattr(torch.npu.NPUGraph, "update") and \
@@ -157,13 +157,21 @@ class NPUBackend(_DeviceModuleBackend):
                 "starting Python")
 
     def update(self, native_graph: Any, cpu_update_input: List[Dict[str, Any]]) -> None:
+        records = self._records(native_graph)
+        if records is not None:
+            check_torch_npu_update(records, cpu_update_input)
         native_graph.update(cpu_update_input=cpu_update_input)
 
     def update_record_count(self, native_graph: Any) -> Optional[int]:
-        # torch_npu's NPUGraph keeps its _GraphDispatchMode as graph_dispatch_mode; update() checks
-        # len(cpu_update_input) against its records.
+        records = self._records(native_graph)
+        return None if records is None else len(records)
+
+    @staticmethod
+    def _records(native_graph: Any) -> Optional[List[Any]]:
+        # torch_npu's NPUGraph keeps its _GraphDispatchMode as graph_dispatch_mode, whose records update()
+        # walks (and counts cpu_update_input against).
         records = getattr(getattr(native_graph, "graph_dispatch_mode", None), "graph_dispatch_records", None)
-        return len(records) if isinstance(records, list) else None
+        return records if isinstance(records, list) else None
 
     def record_event(self) -> Any:
         event = torch.npu.Event()
