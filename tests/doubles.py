@@ -14,6 +14,7 @@ import types
 from typing import Any, List, Tuple
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode_stack
 
 from npugraph_train.graphed.backends import emulate
 
@@ -41,21 +42,22 @@ class _StreamContext:
         emulate._local.stream = self.previous
 
 
-class _DispatchMode:
-    """torch_npu's ``NPUGraph.graph_dispatch_mode``: made once per graph, so its records outlive
-    ``reset()``; entered by ``graph(..., auto_dispatch_capture=True)`` around the capture."""
+class _DispatchMode(TorchDispatchMode):
+    """torch_npu's ``NPUGraph.graph_dispatch_mode`` (a TorchDispatchMode; the emulator does the recording):
+    made once per graph, so its records outlive ``reset()``; entered by ``graph(...,
+    auto_dispatch_capture=True)`` around the capture."""
 
     def __init__(self, log: CallLog) -> None:
-        self.log, self.active = log, False
+        super().__init__()
+        self.log = log
         self.graph_dispatch_records: List[Any] = []
 
-    def __enter__(self) -> None:
-        self.active = True
-        self.log.append(("dispatch_mode.enter", (), {}))
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Any = None) -> Any:
+        return func(*args, **(kwargs or {}))
 
-    def __exit__(self, *exc: Any) -> None:
-        self.active = False
-        self.log.append(("dispatch_mode.exit", (), {}))
+    @property
+    def active(self) -> bool:
+        return any(m is self for m in _get_current_dispatch_mode_stack())
 
 
 def _make_graph_class(log: CallLog, name: str) -> type:

@@ -309,3 +309,33 @@ def test_report_puts_capture_errors_on_their_own_line_and_explains_the_star():
                           "    status: capture failed, runs eager: op aten.item reads tensor data on the host"]
     assert lines[4] == "  blocks.1: graphed; replays 4, eager calls 0"
     assert lines[-1] == "  (* after a shape: that input requires grad)"
+
+
+def test_non_tensor_batch_values_do_not_delay_submodule_capture():
+    import numpy as np
+    from torch.utils.data import DataLoader
+
+    class WithMeta(Regressor):
+        def training_step(self, batch, batch_idx):
+            return super().training_step(batch[:2], batch_idx)
+
+    train, val = loaders()
+    collate = lambda items: (torch.stack([x for x, _ in items]), torch.stack([y for _, y in items]),  # noqa: E731
+                             np.arange(len(items)) + len(items), [f"id{i}" for i in range(len(items))])
+    torch.manual_seed(0)
+    callback = NPUGraphCallback(warmup_steps=2)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer([callback], max_steps=6).fit(WithMeta(), DataLoader(train.dataset, batch_size=8, collate_fn=collate),
+                                            val)
+    assert not [w for w in caught if "capture waits" in str(w.message)]
+    assert all(r["replays"] == 4 for r in callback.report())  # captured on step 2, as without the extras
+
+
+def test_containers_with_shared_modules():
+    model = Regressor()
+    model.first = model.blocks[0]  # registered under two names; named_modules() keeps the first
+    from npugraph_train.callbacks.submodules import select_modules
+
+    chosen = select_modules(model, NPUGraphConfig(modules=["blocks"], modules_only=True))
+    assert [name for name, _ in chosen] == ["blocks.0", "blocks.1"]

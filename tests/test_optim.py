@@ -183,3 +183,15 @@ def test_whole_step_through_the_npu_double(npu_double):
     assert len(calls) == 1 and calls[0][2]["capture_error_mode"] == "relaxed"
     assert calls[0][2]["auto_dispatch_capture"] is False
     assert all(torch.equal(a, b) for a, b in zip(eager.state_dict().values(), graphed.state_dict().values()))
+
+
+def test_checkpoint_round_trip_and_new_groups_stay_capture_safe():
+    opt = make_capturable(torch.optim.AdamW(_model().parameters(), lr=1e-3))
+    saved = opt.state_dict()["param_groups"][0]
+    assert isinstance(saved["lr"], float) and saved["capturable"] is False  # as the plain optimizer writes it
+    opt.load_state_dict(opt.state_dict())  # e.g. fit(ckpt_path=...) with make_capturable in configure_optimizers
+    check_capture_safe(opt, tensor_lr_needed=True)
+    assert opt.param_groups[0]["capturable"] and isinstance(opt.param_groups[0]["lr"], torch.Tensor)
+    opt.add_param_group({"params": [nn.Parameter(torch.zeros(2))], "lr": 0.5})
+    assert opt.param_groups[1]["capturable"] and isinstance(opt.param_groups[1]["lr"], torch.Tensor)
+    assert opt.state_dict()["param_groups"][1]["lr"] == 0.5

@@ -205,17 +205,21 @@ class TestNPUDouble:
         g.replay()
         assert torch.equal(y, masked_mean(x, [1, 2, 3]))
 
-    def test_failed_capture_leaves_no_dispatch_mode_or_stream_behind(self, npu_double, monkeypatch):
+    @pytest.mark.parametrize("on_current_stream", [False, True])
+    def test_failed_capture_leaves_no_dispatch_mode_or_stream_behind(self, npu_double, monkeypatch,
+                                                                    on_current_stream):
         def exhausted(graph, *args, **kwargs):
             raise RuntimeError("AclmdlRICaptureBegin failed, error code 207008")
 
         monkeypatch.setattr(torch.npu.NPUGraph, "capture_begin", exhausted)
-        outer = torch.npu.current_stream()
-        g = ng.Graph()
-        with pytest.raises(ng.GraphCaptureError, match="207008"):
-            with ng.graph(g, auto_dispatch_capture=True):
-                pass
-        assert not g.native.graph_dispatch_mode.active and torch.npu.current_stream() is outer
+        s = ng.new_stream()
+        with ng.stream(s):
+            outer = torch.npu.current_stream()
+            g = ng.Graph()
+            with pytest.raises(ng.GraphCaptureError, match="207008"):
+                with ng.graph(g, stream=s if on_current_stream else None, auto_dispatch_capture=True):
+                    pass
+            assert not g.native.graph_dispatch_mode.active and torch.npu.current_stream() is outer
 
     def test_task_queue_level_2_is_refused_before_capture(self, npu_double, monkeypatch):
         monkeypatch.setenv("TASK_QUEUE_ENABLE", "2")

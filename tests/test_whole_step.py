@@ -383,3 +383,42 @@ def test_checkpoint_is_the_plain_optimizers_and_resumes_without_the_callback(tmp
     resumed = trainer([], max_steps=12, val_check_interval=None, limit_val_batches=0)
     resumed.fit(Scheduled(optimizer="adamw", convert=False), loaders()[0], ckpt_path=path)
     assert resumed.global_step == 12
+
+
+def test_numpy_values_in_the_batch_run_eager_not_crash():
+    import numpy as np
+
+    class WithArray(Scheduled):
+        def training_step(self, batch, batch_idx):
+            return super().training_step(batch[:2], batch_idx)
+
+    data = [(torch.randn(4), torch.randn(1)) for _ in range(32)]
+    collate = lambda items: (torch.stack([x for x, _ in items]), torch.stack([y for _, y in items]),  # noqa: E731
+                             np.zeros(len(items)))
+    t = trainer([NPUGraphCallback(mode="whole_step", warmup_steps=2)], max_steps=6, val_check_interval=None,
+                limit_val_batches=0)
+    t.fit(WithArray(), torch.utils.data.DataLoader(data, batch_size=4, collate_fn=collate))
+    reasons = t.callbacks[-1].report()[0]["eager_calls"]
+    # an array is matched by identity (its == gives no bool): each new one runs eager, named as the reason
+    assert t.callbacks[-1].report()[0]["replays"] == 1 and sum(reasons.values()) == 3
+    assert sum(n for r, n in reasons.items() if "non-tensor values" in r) >= 1
+
+
+def test_dataclass_batches_are_refused_with_the_fix():
+    import dataclasses
+
+    @dataclasses.dataclass
+    class Batch:
+        x: torch.Tensor
+        y: torch.Tensor
+
+    class WithDataclass(Scheduled):
+        def training_step(self, batch, batch_idx):
+            return super().training_step((batch.x, batch.y), batch_idx)
+
+    data = [(torch.randn(4), torch.randn(1)) for _ in range(32)]
+    collate = lambda items: Batch(torch.stack([x for x, _ in items]), torch.stack([y for _, y in items]))  # noqa
+    t = trainer([NPUGraphCallback(mode="whole_step", warmup_steps=1, max_signatures=1)], max_steps=4,
+                val_check_interval=None, limit_val_batches=0)
+    with pytest.raises(MisconfigurationException, match=r"Batch dataclass.*register_dataclass\(Batch\)"):
+        t.fit(WithDataclass(), torch.utils.data.DataLoader(data, batch_size=4, collate_fn=collate))

@@ -1,10 +1,11 @@
-"""When to capture: on a batch shaped like the one before it.
+"""When to capture: on a batch like the one before it.
 
 A graph is captured for the shapes of one batch. If that batch were an epoch's short last batch, every
 full batch after it would run eager. So both modes capture only on a step whose batch has the structure,
-shapes, dtypes and devices of the previous step's batch, and otherwise wait a step; a short last batch
-costs at most ``MAX_CAPTURE_DELAY`` more eager steps. Data whose shapes change every step is captured
-after that many steps anyway (its later batches run eager and are counted, as they would have been).
+shapes, dtypes and devices of the previous step's batch (in ``whole_step`` mode also its non-tensor
+values, which the graph bakes in), and otherwise wait a step; a short last batch costs at most
+``MAX_CAPTURE_DELAY`` more eager steps. Data that changes every step is captured after that many steps
+anyway (its later batches run eager and are counted, as they would have been).
 """
 from __future__ import annotations
 
@@ -17,26 +18,37 @@ MAX_CAPTURE_DELAY = 2
 
 BatchKey = Tuple[TreeSpec, Tuple[Any, ...]]
 
+VALUES_DIFFER = ("its non-tensor values (ids, names, flags) differ, which a graph bakes in; leave them out of "
+                 "the batch (collate_fn, on_before_batch_transfer) or make them tensors")
 
-def leaf_key(leaf: Any) -> Any:
+
+def leaf_key(leaf: Any, values: bool = True) -> Any:
+    """What must match between batches: a tensor's shape, dtype and device; a plain value itself; another
+    object (a numpy array, an unregistered dataclass) its identity, since its ``==`` need not give a bool."""
     if isinstance(leaf, torch.Tensor):
         return (tuple(leaf.shape), leaf.dtype, leaf.device)
-    return ("value", leaf)
+    if not values:
+        return ("value",)
+    if leaf is None or isinstance(leaf, (bool, int, float, str, bytes)):
+        return ("value", leaf)
+    return ("object", type(leaf).__name__, id(leaf))
 
 
-def batch_key(leaves: List[Any], spec: TreeSpec) -> BatchKey:
-    """The key of a flattened batch (``tree_flatten(batch)``)."""
-    return spec, tuple(leaf_key(leaf) for leaf in leaves)
+def batch_key(leaves: List[Any], spec: TreeSpec, values: bool = True) -> BatchKey:
+    """The key of a flattened batch (``tree_flatten(batch)``); ``values=False`` ignores non-tensor values."""
+    return spec, tuple(leaf_key(leaf, values) for leaf in leaves)
 
 
-def key_of(batch: Any) -> BatchKey:
-    return batch_key(*tree_flatten(batch))
+def key_of(batch: Any, values: bool = True) -> BatchKey:
+    return batch_key(*tree_flatten(batch), values=values)
 
 
 def _describe_leaf(k: Any) -> str:
-    if k[0] != "value":
+    if len(k) == 3 and isinstance(k[1], torch.dtype):
         return f"{str(k[1]).replace('torch.', '')}{list(k[0])}"
-    text = repr(k[1])
+    if k[0] == "object":
+        return k[1]
+    text = repr(k[1]) if len(k) > 1 else "..."
     return text if len(text) <= 24 else f"{type(k[1]).__name__} {text[:16]}..."
 
 
@@ -48,13 +60,9 @@ def describe(key: BatchKey) -> str:
 def values_differ(key: BatchKey, other: BatchKey) -> bool:
     """True if the two batches differ only in non-tensor values (ids, file names, flags)."""
     return key[0] == other[0] and len(key[1]) == len(other[1]) and all(
-        k == o or (k[0] == "value" and o[0] == "value") for k, o in zip(key[1], other[1]))
-
-
-VALUES_DIFFER = ("its non-tensor values (ids, names, flags) differ, which a graph bakes in; leave them out of "
-                 "the batch (collate_fn, on_before_batch_transfer) or make them tensors")
+        k == o or (k[0] in ("value", "object") and o[0] in ("value", "object")) for k, o in zip(key[1], other[1]))
 
 
 def ready_to_capture(key: BatchKey, previous: Optional[BatchKey], delayed: int) -> bool:
-    """Capture now? Yes if this batch is shaped like the previous one, or after waiting long enough."""
+    """Capture now? Yes if this batch is like the previous one, or after waiting long enough."""
     return previous is None or key == previous or delayed >= MAX_CAPTURE_DELAY

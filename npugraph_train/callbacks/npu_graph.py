@@ -147,7 +147,7 @@ class NPUGraphCallback(Callback):
         rows = self.report()
         if any(row["status"] == "graphed" for row in rows):
             self._fits_captured += 1
-        elif rows and self._step <= self.config.warmup_steps:
+        elif rows and all(row["status"] == "not captured yet" for row in rows):
             rank_zero_warn(f"NPUGraphCallback: fit ended after {self._step} training steps, before capture "
                            f"(warmup_steps={self.config.warmup_steps}); nothing ran as a graph")
         # Before strategy.teardown moves the module: captured graphs hold the device addresses.

@@ -15,7 +15,7 @@ from ..config import NPUGraphConfig
 from ..graphed import GraphCaptureError, graph_safe_modules, graphed_state, make_graphed_callables, ungraph
 from ..graphed.backends import Backend
 from ..graphed.marker import GraphSafeOptions, merge_options
-from .batch import VALUES_DIFFER, BatchKey, describe, key_of, ready_to_capture, values_differ
+from .batch import BatchKey, describe, key_of, ready_to_capture
 
 
 def select_modules(model: nn.Module, config: NPUGraphConfig) -> List[Tuple[str, nn.Module]]:
@@ -36,11 +36,12 @@ def select_modules(model: nn.Module, config: NPUGraphConfig) -> List[Tuple[str, 
             "its submodules instead (the whole training step is mode='whole_step')")
     # Containers without a forward (ModuleList, ModuleDict) are never called: `modules=["blocks"]` means
     # their children.
+    name_of = {id(module): name for name, module in named.items()}  # a shared module has its first name
     pending, chosen = list(chosen), set()
     while pending:
         name = pending.pop()
         if type(named[name]).forward is nn.Module.forward:
-            pending += [f"{name}.{child}" for child, _ in named[name].named_children()]
+            pending += [name_of[id(child)] for child in named[name].children()]
         else:
             chosen.add(name)
     outermost: List[str] = []
@@ -86,17 +87,15 @@ class SubmoduleGrapher:
     def record_or_capture(self, batch: Any, warmed_up: bool, forward_context: Any) -> None:
         """At the start of a step: capture what the previous step recorded if this batch is shaped like
         that step's (see :mod:`.batch`), else record this step's inputs."""
-        key = key_of(batch)
+        key = key_of(batch, values=False)  # the graphs see module inputs, not the batch's ids or names
         if warmed_up and ready_to_capture(key, self._recorded_key, self._capture_delay):
             self.capture(forward_context)
             return
         if warmed_up:
             self._capture_delay += 1
-            how = VALUES_DIFFER if values_differ(key, self._recorded_key) else \
-                f"it is shaped unlike the previous step's {describe(self._recorded_key)}"
-            rank_zero_warn(f"NPUGraphCallback: capture waits for a batch like the one before it (so that a short "
-                           f"last batch is not the shape captured): this step's batch {describe(key)} differs, "
-                           f"{how}")
+            rank_zero_warn(f"NPUGraphCallback: capture waits for a batch shaped like the one before it (so that a "
+                           f"short last batch is not the shape captured): this step's batch {describe(key)} is "
+                           f"shaped unlike the previous step's {describe(self._recorded_key)}")
         self._recorded_key = key
         self.start_recording()
 

@@ -12,6 +12,7 @@ on the replay path is: one ``tree_flatten`` of the batch and a comparison of its
 from __future__ import annotations
 
 import copy
+import dataclasses
 import time
 from collections import Counter, OrderedDict
 from typing import Any, Callable, Dict, List, Optional, Tuple
@@ -191,6 +192,12 @@ class WholeStepGrapher:
     def capture(self, loop: "_WholeStepOptimization", optimizer: Any, batch_idx: int, kwargs: OrderedDict,
                 leaves: List[Any], spec: Any) -> Dict[str, Any]:
         trainer, module = loop.trainer, loop.trainer.lightning_module
+        opaque = [type(leaf).__name__ for leaf in leaves if dataclasses.is_dataclass(leaf)]
+        if opaque:
+            raise MisconfigurationException(
+                f"NPUGraphCallback(mode='whole_step'): the batch holds a {opaque[0]} dataclass, which torch's pytree "
+                "does not flatten, so its tensors cannot be copied into the graph's static buffers; register it "
+                f"(torch.utils._pytree.register_dataclass({opaque[0]})) or return tuples and dicts from the DataLoader")
         self.static_leaves = [_clone(leaf) for leaf in leaves]
         self.key = batch_key(leaves, spec)
         static_kwargs = OrderedDict(kwargs)

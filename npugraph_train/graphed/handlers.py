@@ -42,8 +42,8 @@ class GraphOpHandler:
     for a keyword one. Keyword arguments the op received at capture can also be updated by their name.
     If ``prepare_capture`` rewrites the op (e.g. to ``my_op.out``), give specs for the rewritten name: the
     names in ``UPDATE_SPECS`` are registered too, because torch_npu finds a record's handler by the name of
-    the op it recorded. On npu the handler is registered with torch_npu combined with its
-    ``NpuGraphOpHandler`` base.
+    the op it recorded (so a direct call of such an op during capture is recorded too, as in torch_npu).
+    On npu the handler is registered with torch_npu combined with its ``NpuGraphOpHandler`` base.
     """
 
     UPDATE_SPECS: ClassVar[Dict[str, List[UpdateSpec]]] = {}

@@ -5,10 +5,12 @@ than at the library frames that noticed the problem.
 """
 from __future__ import annotations
 
+import linecache
 import os
+import sys
 import sysconfig
-import traceback
 import warnings
+from types import FrameType
 from typing import Optional, Type
 
 import torch
@@ -17,24 +19,33 @@ _SKIP_DIRS = tuple(os.path.dirname(p) + os.sep for p in (torch.__file__, os.path
 _STDLIB = sysconfig.get_paths()["stdlib"] + os.sep
 
 
-def user_frame() -> Optional[traceback.FrameSummary]:
-    for frame in reversed(traceback.extract_stack()):
-        path = frame.filename
+def user_frame() -> Optional[FrameType]:
+    frame: Optional[FrameType] = sys._getframe(1)
+    while frame is not None:
+        path = frame.f_code.co_filename
         if not (path.startswith(_SKIP_DIRS) or path.startswith(_STDLIB) or f"{os.sep}lightning{os.sep}" in path):
             return frame
+        frame = frame.f_back
     return None
 
 
 def user_source_line() -> str:
     """``file:line: code`` of the user's innermost frame."""
     frame = user_frame()
-    return f"{frame.filename}:{frame.lineno}: {(frame.line or '').strip()}" if frame else "<unknown source line>"
+    if frame is None:
+        return "<unknown source line>"
+    path, line = frame.f_code.co_filename, frame.f_lineno
+    return f"{path}:{line}: {linecache.getline(path, line).strip()}"
 
 
 def warn_at_user_code(message: str, category: Type[Warning] = RuntimeWarning) -> None:
-    """``warnings.warn`` attributed to the user's innermost frame."""
+    """``warnings.warn`` attributed to the user's innermost frame (its module's filters and registry)."""
     frame = user_frame()
     if frame is None:
         warnings.warn(message, category, stacklevel=2)
-    else:
-        warnings.warn_explicit(message, category, frame.filename, frame.lineno or 0)
+        return
+    module_globals = frame.f_globals
+    warnings.warn_explicit(message, category, frame.f_code.co_filename, frame.f_lineno,
+                           module=module_globals.get("__name__"),
+                           registry=module_globals.setdefault("__warningregistry__", {}),
+                           module_globals=module_globals)

@@ -76,10 +76,21 @@ class CapturableOptimizer:
                 return super().step(closure)  # type: ignore[misc]
         return super().step(closure)  # type: ignore[misc]
 
+    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
+        super().load_state_dict(state_dict)  # type: ignore[misc]
+        # A checkpoint holds the plain optimizer's settings (see state_dict): the user's; convert again.
+        self._plain_settings = [_plain_settings(group) for group in self.param_groups]  # type: ignore[attr-defined]
+        make_capturable(self)
+
+    def add_param_group(self, param_group: Dict[str, Any]) -> None:
+        super().add_param_group(param_group)  # type: ignore[misc]
+        self._plain_settings.append(_plain_settings(self.param_groups[-1]))  # type: ignore[attr-defined]
+        make_capturable(self)
+
     def state_dict(self) -> Dict[str, Any]:
         """The plain optimizer's state dict: checkpoints resume without npugraph_train, on any device."""
         state = super().state_dict()  # type: ignore[misc]
-        for group, plain in zip(state["param_groups"], getattr(self, "_plain_settings", [])):
+        for group, plain in zip(state["param_groups"], self._plain_settings):
             for key in ("lr", "initial_lr"):
                 if plain["float_lr"] and isinstance(group.get(key), torch.Tensor):
                     group[key] = group[key].item()  # the (scheduled) value, a float again
@@ -131,6 +142,12 @@ CapturableSGD.step.hooked = True  # type: ignore[attr-defined]
 CapturableOptimizer.step.hooked = True  # type: ignore[attr-defined]
 
 _classes: Dict[Type[Optimizer], Type[Optimizer]] = {}
+
+
+def _plain_settings(group: Dict[str, Any]) -> Dict[str, Any]:
+    """What make_capturable changes in a param group, as it was."""
+    return {"float_lr": not isinstance(group["lr"], torch.Tensor), "capturable": group.get("capturable"),
+            "foreach": group.get("foreach")}
 
 
 def _capturable_class(cls: Type[Optimizer]) -> Type[Optimizer]:
@@ -209,8 +226,7 @@ def make_capturable(optimizer: Any, device: Optional[torch.device] = None) -> An
     opt = _unwrap(optimizer)
     if not isinstance(opt, CapturableOptimizer):
         _refuse_unsupported(opt)
-        plain = [{"float_lr": not isinstance(g["lr"], torch.Tensor), "capturable": g.get("capturable"),
-                  "foreach": g.get("foreach")} for g in opt.param_groups]
+        plain = [_plain_settings(group) for group in opt.param_groups]
         opt.__class__ = _capturable_class(type(opt))
         opt._plain_settings = plain
         _retarget_scheduler_wrapper(opt)

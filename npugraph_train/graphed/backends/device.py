@@ -13,6 +13,7 @@ import os
 from typing import Any, ContextManager, Dict, List, Optional, Tuple
 
 import torch
+from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
 from ..errors import GraphCaptureError
 from ..handlers import check_torch_npu_update, sync_with_torch_npu
@@ -29,9 +30,8 @@ class _NativeGraphContext:
     eager fallback included.
     """
 
-    def __init__(self, backend: Backend, native_ctx: Any, native_graph: Any, auto_dispatch_capture: bool) -> None:
+    def __init__(self, backend: Backend, native_ctx: Any, native_graph: Any) -> None:
         self.backend, self.native_ctx, self.native_graph = backend, native_ctx, native_graph
-        self.auto_dispatch_capture = auto_dispatch_capture
 
     def __enter__(self) -> None:
         self._outer_stream = self.backend.current_stream()
@@ -49,13 +49,12 @@ class _NativeGraphContext:
             raise
 
     def _undo(self) -> None:
-        if self.backend.current_stream() == self._outer_stream:
-            return  # the native context got as far as leaving its stream
         mode = getattr(self.native_graph, "graph_dispatch_mode", None)
-        if self.auto_dispatch_capture and mode is not None:
+        if mode is not None and any(m is mode for m in _get_current_dispatch_mode_stack()):
             mode.__exit__(None, None, None)
         stream_ctx = getattr(self.native_ctx, "stream_ctx", None)
-        if stream_ctx is not None:
+        # Unless the native context got as far as leaving its stream (or captured on the current one).
+        if stream_ctx is not None and self.backend.current_stream() != self._outer_stream:
             stream_ctx.__exit__(None, None, None)
 
 
@@ -114,7 +113,7 @@ class CUDABackend(_DeviceModuleBackend):
     def graph_context(self, native_graph: Any, *, pool: Any, stream: Any, capture_error_mode: str,
                       auto_dispatch_capture: bool) -> ContextManager:
         ctx = torch.cuda.graph(cuda_graph=native_graph, pool=pool, stream=stream, capture_error_mode=capture_error_mode)
-        return _NativeGraphContext(self, ctx, native_graph, auto_dispatch_capture=False)
+        return _NativeGraphContext(self, ctx, native_graph)
 
 
 class NPUBackend(_DeviceModuleBackend):
@@ -148,9 +147,10 @@ class NPUBackend(_DeviceModuleBackend):
             "auto_dispatch_capture" in inspect.signature(torch.npu.graph).parameters
 
     def before_capture(self) -> None:
+        # torch_npu reads the level once per process; its getter where this build has one, else the variable.
         get_level = getattr(torch.npu, "get_task_queue_enable", None)
-        level = int(get_level()) if get_level is not None else int(os.environ.get("TASK_QUEUE_ENABLE", "1"))
-        if level == 2:
+        level = get_level() if get_level is not None else os.environ.get("TASK_QUEUE_ENABLE", "1")
+        if str(level).strip() == "2":
             raise GraphCaptureError(
                 "torch_npu cannot capture graphs at task-queue level 2 (TASK_QUEUE_ENABLE=2: 'Do not support "
                 "TASK_QUEUE_ENABLE = 2 during NPU graph capture'); export TASK_QUEUE_ENABLE=1 (or 0) before "
@@ -187,4 +187,4 @@ class NPUBackend(_DeviceModuleBackend):
         update = dict(auto_dispatch_capture=auto_dispatch_capture) if self.supports_update else {}
         ctx = torch.npu.graph(npu_graph=native_graph, pool=pool, stream=stream, capture_error_mode=capture_error_mode,
                               **update)
-        return _NativeGraphContext(self, ctx, native_graph, auto_dispatch_capture)
+        return _NativeGraphContext(self, ctx, native_graph)
