@@ -14,7 +14,7 @@ types and invalid values fail at start-up with the valid choices.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
-from typing import Any, List, Mapping, Optional, Union
+from typing import Any, List, Mapping, Union
 
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 

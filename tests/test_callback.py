@@ -10,7 +10,7 @@ from omegaconf import OmegaConf
 import npugraph_train as ngt
 from npugraph_train import NPUGraphCallback, NPUGraphConfig
 
-from .lightning_models import Block, Regressor, fit, loaders, trainer
+from .lightning_models import Regressor, fit, loaders, trainer
 
 
 def _same_params(a, b):

@@ -8,7 +8,7 @@ import torch
 import torch.nn as nn
 
 import npugraph_train.graphed as ng
-from npugraph_train.graphed import GraphCaptureError, backends
+from npugraph_train.graphed import GraphCaptureError
 
 ROOT = Path(__file__).resolve().parents[1]
 

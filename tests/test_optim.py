@@ -1,5 +1,3 @@
-import types
-
 import pytest
 import torch
 import torch.nn as nn

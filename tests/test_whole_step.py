@@ -1,6 +1,5 @@
 import pytest
 import torch
-import torch.nn as nn
 from lightning.pytorch import Callback
 from lightning.pytorch.callbacks import BackboneFinetuning, EarlyStopping, ModelCheckpoint
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
@@ -9,7 +8,7 @@ import npugraph_train as ngt
 from npugraph_train import NPUGraphCallback
 from npugraph_train.optim import make_capturable
 
-from .lightning_models import Regressor, fit, loaders, trainer
+from .lightning_models import Regressor, loaders, trainer
 
 
 class Scheduled(Regressor):

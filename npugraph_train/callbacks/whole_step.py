@@ -191,7 +191,7 @@ class WholeStepGrapher:
     # capture and replay --------------------------------------------------------------------------
     def capture(self, loop: "_WholeStepOptimization", optimizer: Any, batch_idx: int, kwargs: OrderedDict,
                 leaves: List[Any], spec: Any) -> Dict[str, Any]:
-        trainer, module = loop.trainer, loop.trainer.lightning_module
+        module = loop.trainer.lightning_module
         opaque = [type(leaf).__name__ for leaf in leaves if dataclasses.is_dataclass(leaf)]
         if opaque:
             raise MisconfigurationException(

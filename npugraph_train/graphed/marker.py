@@ -17,7 +17,7 @@ A class mark applies to instances of exactly that class, not to subclasses, whic
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Any, Callable, List, Optional, Tuple, TypeVar, Union, overload
+from typing import Any, Callable, List, Optional, Tuple, TypeVar, overload
 
 import torch.nn as nn
 
