@@ -4,7 +4,7 @@ import torch.nn as nn
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 import npugraph_train.graphed as ng
-from npugraph_train.optim import CapturableOptimizer, check_capture_safe, clip_grad_norm_, make_capturable
+from npugraph_train.optim import CapturableOptimizer, check_capture_safe, clip_grad_norm_, make_capturable, plain_lr
 
 
 def _model():
@@ -193,3 +193,11 @@ def test_checkpoint_round_trip_and_new_groups_stay_capture_safe():
     opt.add_param_group({"params": [nn.Parameter(torch.zeros(2))], "lr": 0.5})
     assert opt.param_groups[1]["capturable"] and isinstance(opt.param_groups[1]["lr"], torch.Tensor)
     assert opt.state_dict()["param_groups"][1]["lr"] == 0.5
+
+
+@pytest.mark.parametrize("written", [1e-3, 3e-4, 0.1, 2.5e-5, 1 / 3, 0.009045084971874737])
+def test_plain_lr_is_the_shortest_decimal_of_the_float32(written):
+    lr = torch.tensor(written, dtype=torch.float32)
+    plain = plain_lr(lr)
+    assert torch.tensor(plain, dtype=torch.float32).item() == lr.item(), "restoring it gives the same lr tensor"
+    assert len(repr(plain)) <= len(repr(written)) and len(repr(plain)) < len(repr(lr.item()))

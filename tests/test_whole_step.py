@@ -14,9 +14,9 @@ from .lightning_models import Regressor, loaders, trainer
 class Scheduled(Regressor):
     """Regressor with a capturable optimizer and a scheduler, so eager and graphed runs do the same math."""
 
-    def __init__(self, optimizer="sgd", schedule="step", convert=True, **kwargs):
+    def __init__(self, optimizer="sgd", schedule="step", convert=True, foreach=None, **kwargs):
         super().__init__(**kwargs)
-        self.optimizer_kind, self.schedule, self.convert = optimizer, schedule, convert
+        self.optimizer_kind, self.schedule, self.convert, self.foreach = optimizer, schedule, convert, foreach
 
     def training_step(self, batch, batch_idx):
         loss = super().training_step(batch, batch_idx)
@@ -27,7 +27,7 @@ class Scheduled(Regressor):
         if self.optimizer_kind == "sgd":
             opt = torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9, nesterov=True, weight_decay=1e-3)
         else:
-            opt = torch.optim.AdamW(self.parameters(), lr=0.01, weight_decay=0.01)
+            opt = torch.optim.AdamW(self.parameters(), lr=0.01, weight_decay=0.01, foreach=self.foreach)
         if self.convert:
             make_capturable(opt)
         if self.schedule == "step":
@@ -111,18 +111,20 @@ def test_capture_step_updates_parameters_exactly_once(steps):
 
 
 def test_checkpoint_resume_and_early_stopping(tmp_path):
+    # AdamW made capturable before its cosine schedule: the scheduler's state holds lr tensors
+    cosine = {"optimizer": "adamw", "schedule": "cosine"}
     every_epoch = dict(val_check_interval=1.0, max_steps=36)
-    eager, _, _ = _run({}, None, **every_epoch)
+    eager, _, _ = _run(cosine, None, **every_epoch)
     ckpt = ModelCheckpoint(dirpath=tmp_path, save_top_k=-1, every_n_epochs=1, filename="{epoch}")
     torch.manual_seed(0)
-    uninterrupted = Scheduled()
+    uninterrupted = Scheduled(**cosine)
     train, val = loaders()
     trainer([NPUGraphCallback(mode="whole_step"), ckpt], enable_checkpointing=True, **every_epoch).fit(
         uninterrupted, train, val)
     assert _same(eager, uninterrupted)
 
     torch.manual_seed(0)
-    resumed = Scheduled()
+    resumed = Scheduled(**cosine)
     callback = NPUGraphCallback(mode="whole_step")
     t = trainer([callback], **every_epoch)
     t.fit(resumed, train, val, ckpt_path=tmp_path / "epoch=1.ckpt")
@@ -367,21 +369,28 @@ def test_max_signatures_in_whole_step_mode_warns():
         _run({}, {"max_signatures": 2}, max_steps=4)
 
 
-def test_checkpoint_is_the_plain_optimizers_and_resumes_without_the_callback(tmp_path):
-    _, _, t = _run({"optimizer": "adamw", "convert": False}, {}, max_steps=8, val_check_interval=None,
-                   limit_val_batches=0)
+@pytest.mark.parametrize("convert", [False, True], ids=["callback-converts", "scheduler-over-converted"])
+def test_checkpoint_is_the_plain_optimizers_and_resumes_without_the_callback(tmp_path, convert):
+    kwargs = {"optimizer": "adamw", "schedule": "cosine"}
+    _, _, t = _run({**kwargs, "convert": convert}, {}, max_steps=12, val_check_interval=None, limit_val_batches=0)
     optimizer = t.optimizers[0]
     assert type(optimizer).__name__ == "AdamW"  # LearningRateMonitor's "lr-AdamW" stays as it was
     path = tmp_path / "whole_step.ckpt"
     t.save_checkpoint(path)
-    group = torch.load(path, weights_only=False)["optimizer_states"][0]["param_groups"][0]
+    checkpoint = torch.load(path, weights_only=False)
+    group = checkpoint["optimizer_states"][0]["param_groups"][0]
+    assert group["initial_lr"] == 0.01, "the learning rate as written, not its float32 (0.009999999776...)"
     assert isinstance(group["lr"], float) and group["capturable"] is False and group["foreach"] is None
+    scheduler = checkpoint["lr_schedulers"][0]
+    assert [type(lr) for lr in scheduler["base_lrs"] + scheduler["_last_lr"]] == [float, float]
+    assert scheduler["base_lrs"] == [0.01] and scheduler["_last_lr"] == [group["lr"]]
     assert optimizer.param_groups[0]["capturable"] and isinstance(optimizer.param_groups[0]["lr"], torch.Tensor)
-    # an eager fit on the CPU, without npugraph_train, picks it up (torch refuses capturable=True on the CPU)
+    # An eager fit on the CPU, without npugraph_train, picks it up (torch refuses capturable=True on the CPU),
+    # with foreach=True as on a GPU, where torch refuses a tensor lr that a scheduler's state could restore.
     torch.manual_seed(0)
-    resumed = trainer([], max_steps=12, val_check_interval=None, limit_val_batches=0)
-    resumed.fit(Scheduled(optimizer="adamw", convert=False), loaders()[0], ckpt_path=path)
-    assert resumed.global_step == 12
+    resumed = trainer([], max_steps=24, val_check_interval=None, limit_val_batches=0)
+    resumed.fit(Scheduled(**kwargs, convert=False, foreach=True), loaders()[0], ckpt_path=path)
+    assert resumed.global_step == 24 and isinstance(resumed.optimizers[0].param_groups[0]["lr"], float)
 
 
 def test_numpy_values_in_the_batch_run_eager_not_crash():

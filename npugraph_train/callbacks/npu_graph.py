@@ -39,7 +39,7 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 from ..config import NPUGraphConfig
 from ..graphed import get_backend
-from ..optim import make_capturable
+from ..optim import make_capturable, plain_scheduler_state
 from .report import format_report
 from .submodules import SubmoduleGrapher
 from .whole_step import UPDATE_HOOK, WholeStepGrapher
@@ -183,6 +183,13 @@ class NPUGraphCallback(Callback):
     def state_dict(self) -> Dict[str, Any]:
         # Graphs cannot be checkpointed (a resumed fit captures anew); what carries over is the history.
         return {"fits_captured": self._fits_captured}
+
+    def on_save_checkpoint(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule",
+                           checkpoint: Dict[str, Any]) -> None:
+        # Converted optimizers write the plain optimizer's state; their schedulers' states must match it.
+        if "lr_schedulers" in checkpoint:
+            checkpoint["lr_schedulers"] = [plain_scheduler_state(config.scheduler, state) for config, state
+                                           in zip(trainer.lr_scheduler_configs, checkpoint["lr_schedulers"])]
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
         self._fits_captured = state_dict.get("fits_captured", 0)

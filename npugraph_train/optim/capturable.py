@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import struct
 import weakref
 from typing import Any, Dict, Iterator, List, Optional, Type
 
@@ -93,7 +94,7 @@ class CapturableOptimizer:
         for group, plain in zip(state["param_groups"], self._plain_settings):
             for key in ("lr", "initial_lr"):
                 if plain["float_lr"] and isinstance(group.get(key), torch.Tensor):
-                    group[key] = group[key].item()  # the (scheduled) value, a float again
+                    group[key] = plain_lr(group[key])  # the (scheduled) value, a float again
             for key in ("capturable", "foreach"):
                 if key in group:
                     group[key] = plain[key]
@@ -148,6 +149,43 @@ def _plain_settings(group: Dict[str, Any]) -> Dict[str, Any]:
     """What make_capturable changes in a param group, as it was."""
     return {"float_lr": not isinstance(group["lr"], torch.Tensor), "capturable": group.get("capturable"),
             "foreach": group.get("foreach")}
+
+
+def plain_lr(lr: torch.Tensor) -> float:
+    """The shortest decimal whose float32 is ``lr``: 1e-3 as the user wrote it, not 0.0010000000474974513."""
+    value = lr.item()
+    for digits in range(1, 10):  # 9 significant digits tell every float32 apart
+        shortest = float(f"{value:.{digits}g}")
+        if struct.unpack("f", struct.pack("f", shortest))[0] == value:
+            return shortest
+    return value
+
+
+def _writes_float_lr(optimizer: Any) -> bool:
+    opt = _unwrap(optimizer)
+    return isinstance(opt, CapturableOptimizer) and all(plain["float_lr"] for plain in opt._plain_settings)
+
+
+def plain_scheduler_state(scheduler: Any, state: Dict[str, Any]) -> Dict[str, Any]:
+    """``scheduler.state_dict()`` as it would be over the plain optimizer: learning rates as floats.
+
+    A scheduler over a converted optimizer keeps copies of its lr tensors (``base_lrs``, ``_last_lr``, those
+    of chained schedulers); restored into a plain optimizer they would become its lr, which torch's foreach
+    step refuses unless capturable. Unchanged when the user's own learning rates were tensors.
+    """
+    if not _writes_float_lr(getattr(scheduler, "optimizer", None)):
+        return state
+
+    def plain(value: Any) -> Any:
+        if isinstance(value, torch.Tensor) and value.dim() == 0 and value.is_floating_point():
+            return plain_lr(value)
+        if isinstance(value, dict):
+            return {k: plain(v) for k, v in value.items()}
+        if isinstance(value, (list, tuple)):
+            return type(value)(plain(v) for v in value)
+        return value
+
+    return plain(state)
 
 
 def _capturable_class(cls: Type[Optimizer]) -> Type[Optimizer]:
