@@ -339,3 +339,27 @@ def test_containers_with_shared_modules():
 
     chosen = select_modules(model, NPUGraphConfig(modules=["blocks"], modules_only=True))
     assert [name for name, _ in chosen] == ["blocks.0", "blocks.1"]
+
+
+class StopGradientTarget(Regressor):
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        with torch.no_grad():  # a target from the same blocks (BYOL/SimSiam style), called first
+            target = self(x + 0.1)
+        pred = self(x)
+        return nn.functional.mse_loss(pred, target) + nn.functional.mse_loss(pred, y)
+
+
+def test_the_training_call_is_captured_not_an_earlier_no_grad_call():
+    def run(callbacks):
+        torch.manual_seed(0)
+        model = StopGradientTarget()
+        trainer(callbacks, max_steps=12).fit(model, *loaders())
+        return model
+
+    callback = NPUGraphCallback(warmup_steps=2)
+    eager, graphed = run([]), run([callback])
+    assert _same_params(eager, graphed)
+    row = callback.report()[0]
+    assert row["signatures"][0]["description"] == "(float32[8, 8]*)", "the input of the call that trains"
+    assert row["replays"] == 9  # 12 steps: 2 warmup, one short batch

@@ -136,6 +136,23 @@ def test_random_ops_draw_fresh_numbers_and_capture_draws_none():
     assert torch.equal(torch.rand(16), first), "the first replay draws what eager code would have drawn"
 
 
+
+def test_rng_state_reads_during_capture_are_refused_as_on_cuda():
+    from torch.utils.checkpoint import checkpoint
+
+    layer = nn.Sequential(nn.Linear(4, 4), nn.Dropout(0.3))
+    x = torch.randn(2, 4, requires_grad=True)
+    with pytest.raises(GraphCaptureError, match=r"get_rng_state\(\) during graph capture at .*preserve_rng_state"):
+        with ng.graph(ng.Graph()):
+            checkpoint(layer, x, use_reentrant=False).sum().backward()
+    assert torch.get_rng_state().shape, "the guard is gone after capture"
+    layer = layer[0]  # no random numbers: checkpointing without saving the RNG state captures
+    g = ng.Graph()
+    with ng.graph(g):
+        checkpoint(layer, x, use_reentrant=False, preserve_rng_state=False).sum().backward()
+    g.replay()
+    assert torch.equal(x.grad, layer.weight.sum(0).expand(2, 4))
+
 def test_backward_inside_capture_is_recorded():
     w = torch.ones(3, requires_grad=True)
     x = torch.full((3,), 2.0)

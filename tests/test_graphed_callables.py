@@ -287,6 +287,172 @@ def test_plain_function_and_dtype_signature():
     assert state.report()["replays"] == 1 and "float64[3]" in list(state.eager_calls)[0]
 
 
+class SelfAttention(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.attn = nn.MultiheadAttention(8, 2, batch_first=True)
+
+    def forward(self, q, k, v):
+        return self.attn(q, k, v, need_weights=False)  # (output, None)
+
+
+class TestUserPatterns:
+    """Patterns from real training code, each against the same code run eager."""
+
+    def test_one_tensor_as_query_key_and_value(self):
+        def grads(graphed):
+            torch.manual_seed(0)
+            embed, block = nn.Linear(4, 8), SelfAttention()
+            if graphed:
+                x = torch.zeros(2, 3, 8, requires_grad=True)
+                ng.make_graphed_callables(block, (x, x, x))
+            for _ in range(3):
+                h = embed(torch.randn(2, 3, 4))
+                out, weights = block(h, h, h)
+                assert weights is None
+                out.pow(2).sum().backward()
+            return [p.grad for p in (*embed.parameters(), *block.parameters())]
+
+        eager, graphed = grads(False), grads(True)
+        assert all(torch.equal(a, b) for a, b in zip(eager, graphed)), "the input's gradient is counted once"
+
+    def test_one_sample_tensor_shared_by_two_callables(self):
+        def train(graphed):
+            torch.manual_seed(0)
+            first, second = nn.Linear(4, 4), nn.Linear(4, 4)
+            if graphed:
+                x = torch.zeros(2, 4, requires_grad=True)
+                ng.make_graphed_callables((first, second), ((x,), (x,)))
+            torch.manual_seed(1)
+            for _ in range(3):
+                second(torch.tanh(first(torch.randn(2, 4, requires_grad=True)))).pow(2).sum().backward()
+            assert not graphed or ng.graphed_state(first).report()["replays"] == 3
+            return [p.grad for p in (*first.parameters(), *second.parameters())]
+
+        assert all(torch.equal(a, b) for a, b in zip(train(False), train(True)))
+
+    def test_stop_gradient_target_survives_the_training_call(self):
+        def losses(graphed):
+            torch.manual_seed(0)
+            encoder = nn.Sequential(nn.Linear(8, 8), nn.Tanh())
+            if graphed:
+                ng.make_graphed_callables(encoder, (torch.zeros(4, 8),))
+            torch.manual_seed(1)
+            result = []
+            for _ in range(3):
+                x = torch.randn(4, 8)
+                with torch.no_grad():
+                    target = encoder(x + 0.1)
+                loss = nn.functional.mse_loss(encoder(x), target)
+                loss.backward()
+                result.append(loss.detach())
+            return result, [p.grad for p in encoder.parameters()]
+
+        (eager, eager_grads), (graphed, graphed_grads) = losses(False), losses(True)
+        assert all(loss > 0 for loss in graphed), "the target is not the training call's output"
+        assert all(torch.equal(a, b) for a, b in zip(eager + eager_grads, graphed + graphed_grads))
+
+    def test_outputs_without_grad_have_no_history(self):
+        class WithStats(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.lin = nn.Linear(4, 4)
+
+            def forward(self, x):
+                y = self.lin(x)
+                return {"y": y, "mean": y.mean(0).detach(), "top": y.argmax(-1)}
+
+        module = ng.make_graphed_callables(WithStats(), (torch.zeros(3, 4),))
+        out = module(torch.randn(3, 4))
+        assert out["y"].requires_grad and out["y"].grad_fn is not None
+        assert not out["mean"].requires_grad and out["mean"].grad_fn is None and out["mean"].numpy().shape == (4,)
+        assert not out["top"].requires_grad and out["top"].dtype == torch.int64
+        out["y"].sum().backward()
+
+    def test_unfreezing_after_capture_captures_again(self):
+        def train(graphed):
+            torch.manual_seed(0)
+            model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 1))
+            model[0].requires_grad_(False)  # a frozen backbone, unfrozen after 2 steps
+            opt = torch.optim.SGD(model.parameters(), lr=0.1)
+            if graphed:
+                ng.make_graphed_callables(model, (torch.zeros(3, 4),))
+            torch.manual_seed(1)
+            for step in range(5):
+                if step == 2:
+                    model[0].requires_grad_(True)
+                model(torch.randn(3, 4)).pow(2).sum().backward()
+                opt.step()
+                opt.zero_grad()
+            return model
+
+        eager = train(False)
+        with pytest.warns(RuntimeWarning, match="2 parameters changed requires_grad since capture"):
+            graphed = train(True)
+        _assert_same_state(eager, graphed)
+        report = ng.graphed_state(graphed).report()
+        assert [s["replays"] for s in report["signatures"]] == [2, 3] and not report["eager_calls"]
+        assert report["signatures"][0]["description"].endswith("2 frozen parameters")
+
+    def test_double_backward_is_refused(self):
+        critic = ng.make_graphed_callables(nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1)),
+                                           (torch.zeros(3, 4, requires_grad=True),), names=["critic"])
+        x = torch.randn(3, 4, requires_grad=True)
+        with pytest.raises(ng.GraphStateError, match=r"critic: backward with create_graph=True .*gradient penalty"):
+            torch.autograd.grad(critic(x).sum(), x, create_graph=True)
+
+    def test_second_backward_after_another_call_is_refused(self):
+        model = ng.make_graphed_callables(nn.Linear(4, 4), (torch.zeros(3, 4),), names=["head"])
+        first = model(torch.randn(3, 4)).sum()
+        first.backward(retain_graph=True)
+        model(torch.randn(3, 4)).sum().backward()
+        with pytest.raises(ng.GraphStateError, match="head: backward of a call whose activations a later call"):
+            first.backward()
+
+    def test_backward_is_captured_outside_autocast(self):
+        class Attention(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.qkv = nn.Linear(8, 24)
+
+            def forward(self, x):
+                q, k, v = self.qkv(x).view(2, 3, 3, 2, 4).permute(2, 0, 3, 1, 4)
+                attn = nn.functional.scaled_dot_product_attention(q, k, v, dropout_p=0.1)
+                return attn.transpose(1, 2).reshape(2, 3, 8)
+
+        def grads(graphed):
+            torch.manual_seed(0)
+            model = Attention()
+            with torch.autocast("cpu", torch.bfloat16, cache_enabled=False):
+                if graphed:
+                    ng.make_graphed_callables(model, (torch.zeros(2, 3, 8, requires_grad=True),))
+                torch.manual_seed(1)
+                outputs = [model(torch.randn(2, 3, 8, requires_grad=True)) for _ in range(1)]
+            outputs[0].float().pow(2).sum().backward()  # as in eager training: backward outside autocast
+            return [p.grad for p in model.parameters()]
+
+        assert all(torch.equal(a, b) for a, b in zip(grads(False), grads(True)))
+
+    @pytest.mark.parametrize("context", ["inference_mode", "autocast_cache"])
+    def test_new_signature_in_an_uncapturable_context_runs_eager(self, context):
+        model = nn.Sequential(nn.Linear(4, 4), nn.Tanh())
+        ng.make_graphed_callables(model, (torch.zeros(3, 4),), max_signatures=2)
+        region = (torch.inference_mode() if context == "inference_mode"
+                  else torch.autocast("cpu", torch.bfloat16, cache_enabled=True))
+        with pytest.warns(RuntimeWarning, match="new signature met under"), region:
+            model(torch.randn(2, 4))
+        model(torch.randn(2, 4)).sum().backward()  # a training call of that shape captures it then
+        report = ng.graphed_state(model).report()
+        assert len(report["signatures"]) == 2 and report["signatures"][1]["replays"] == 1
+        assert list(report["eager_calls"].values()) == [1]
+
+    def test_graphing_around_a_graphed_module_names_it(self):
+        outer = nn.Sequential(nn.Linear(4, 4), nn.Sequential(nn.Linear(4, 4), nn.Tanh()))
+        ng.make_graphed_callables(outer[1], (torch.zeros(3, 4),))
+        with pytest.raises(ng.GraphStateError, match=r"m\.1 is already graphed, inside m: .*ungraph\(m\.1\)"):
+            ng.make_graphed_callables(outer, (torch.zeros(3, 4),), names=["m"])
+
+
 class TestErrors:
     def test_hooks_named(self):
         model = nn.Sequential(nn.Linear(2, 2), nn.ReLU())

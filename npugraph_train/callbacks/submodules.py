@@ -101,11 +101,19 @@ class SubmoduleGrapher:
 
     def start_recording(self) -> None:
         self._samples, self._order = {}, []
+        with_grad: Dict[str, bool] = {}
         for name, module in self.modules:
             def record(mod: nn.Module, args: tuple, kwargs: dict, name: str = name) -> None:
-                if name not in self._samples:  # later calls in the step are not captured (they run eager)
-                    self._samples[name] = tree_map(_sample, (args, kwargs))
-                    self._order.append(name)
+                # The first training call is the one to capture; later calls in the step run eager. A no_grad
+                # call (a stop-gradient target) stands in only until a training call comes.
+                grad = torch.is_grad_enabled()
+                if name in self._samples and (with_grad[name] or not grad):
+                    return
+                if name in self._samples:
+                    self._order.remove(name)
+                self._samples[name] = tree_map(_sample, (args, kwargs))
+                self._order.append(name)
+                with_grad[name] = grad
             self._hooks.append(module.register_forward_pre_hook(record, with_kwargs=True))
 
     def stop_recording(self) -> None:

@@ -15,7 +15,14 @@ and safer than both:
 - gradients returned to ``.grad`` never alias static buffers, so gradient accumulation is correct;
 - warmup leaves RNG state and module buffers (BatchNorm statistics) as they were;
 - a second call before the first call's backward ran (same module twice in one step) runs eager
-  rather than overwriting the activations the first backward needs;
+  rather than overwriting the activations the first backward needs; calls under ``no_grad`` return
+  copies, so a stop-gradient target survives the training call that follows it;
+- sample tensors are copied: one tensor passed as several arguments (``q, k, v = x, x, x``) or to
+  several callables gets each of its gradients once;
+- outputs that do not require grad come back without a graph history, and ``None`` outputs are kept;
+- a parameter frozen or unfrozen after capture recaptures the module (its gradients change);
+- double backward (``create_graph=True``) and a second backward after another call are refused
+  instead of computing wrong gradients;
 - errors name the module; :func:`ungraph` restores the original forward; ``state_dict`` keys are
   unchanged, ``copy.deepcopy`` and pickling give a plain, working module.
 """
@@ -56,8 +63,35 @@ def _leaf_signature(t: Any) -> Any:
     return (tuple(t.shape), t.dtype, t.device, t.requires_grad)
 
 
-def _signature(spec: Any, leaves: Sequence[Any], backend: Backend) -> tuple:
-    return (spec, tuple(_leaf_signature(t) for t in leaves), backend.autocast_state())
+def _unique_tensors(leaves: Sequence[Any]) -> List[torch.Tensor]:
+    """The tensors among ``leaves``, each once (a tensor passed as q, k and v is one graph input)."""
+    unique: Dict[int, torch.Tensor] = {}
+    for t in leaves:
+        if isinstance(t, torch.Tensor):
+            unique.setdefault(id(t), t)
+    return list(unique.values())
+
+
+def _aliases(leaves: Sequence[Any]) -> Tuple[int, ...]:
+    # Which arguments are one tensor: forwards branch on it (MultiheadAttention's `query is key`).
+    ids = [id(t) for t in leaves if isinstance(t, torch.Tensor)]
+    if len(set(ids)) == len(ids):
+        return ()
+    first: Dict[int, int] = {}
+    return tuple(first.setdefault(i, len(first)) for i in ids)
+
+
+def _signature(spec: Any, leaves: Sequence[Any], backend: Backend, param_flags: Tuple[bool, ...]) -> tuple:
+    # Which parameters require grad decides what the backward graph computes (a frozen backbone's blocks).
+    return (spec, tuple(_leaf_signature(t) for t in leaves), backend.autocast_state(), param_flags,
+            _aliases(leaves))
+
+
+def _static_copies(flat: Sequence[Any]) -> List[Any]:
+    # Copies, never the caller's tensors (a tensor shared by two callables would be one static buffer), one
+    # per distinct tensor, so that a tensor passed twice stays one input whose gradient is counted once.
+    copies = {id(t): t.detach().clone().requires_grad_(t.requires_grad) for t in _unique_tensors(flat)}
+    return [copies[id(t)] if isinstance(t, torch.Tensor) else t for t in flat]
 
 
 def _describe(signature: tuple) -> str:
@@ -71,12 +105,15 @@ def _describe(signature: tuple) -> str:
             shape, dtype, _, requires_grad = leaf
             parts.append(f"{str(dtype).replace('torch.', '')}{list(shape)}{'*' if requires_grad else ''}")
     enabled, dtype = signature[2]
-    return f"({', '.join(parts)})" + (f" autocast {str(dtype).replace('torch.', '')}" if enabled else "")
+    frozen = signature[3].count(False)
+    return (f"({', '.join(parts)})" + (f" autocast {str(dtype).replace('torch.', '')}" if enabled else "")
+            + (f", {frozen} frozen parameters" if frozen else "")
+            + (", one tensor passed as several arguments" if signature[4] else ""))
 
 
 def _requires_grad_hint(key: tuple, captured: Iterable[tuple]) -> str:
     def without_grad(signature: tuple) -> tuple:
-        return signature[0], tuple(leaf[:3] if len(leaf) == 4 else leaf for leaf in signature[1]), signature[2]
+        return signature[0], tuple(leaf[:3] if len(leaf) == 4 else leaf for leaf in signature[1]), signature[2:]
 
     if any(without_grad(key) == without_grad(other) for other in captured):
         return "; it differs from a captured one only in which inputs require grad (marked *)"
@@ -136,13 +173,15 @@ class _CapturedSignature:
         self.leaves = leaves
         self.pool = pool
         self.pool_order = _PoolOrder.of(pool)
-        self.static_inputs = tuple(t for t in leaves if isinstance(t, torch.Tensor))
+        self.static_inputs = tuple(_unique_tensors(leaves))
         self.spec = spec
         self.order = order
         self.fwd_graph = Graph(owner.backend)
         self.bwd_graph = Graph(owner.backend)
         self.static_outputs: Tuple[torch.Tensor, ...] = ()
         self.output_spec: Any = None
+        self.none_outputs: Tuple[int, ...] = ()  # positions of None among the flat outputs
+        self.replays = 0  # forward replays: a backward must follow the replay whose activations it reads
         self.static_grad_outputs: Tuple[Optional[torch.Tensor], ...] = ()
         self.static_grad_inputs: Tuple[Optional[torch.Tensor], ...] = ()
         self.function: Any = None
@@ -159,8 +198,9 @@ class _CapturedSignature:
                        if isinstance(o, torch.Tensor) and o.requires_grad]
             inputs = tuple(i for i in surface if i.requires_grad)
             if outputs and inputs:
-                torch.autograd.grad(outputs, inputs, grad_outputs=[torch.empty_like(o) for o in outputs],
-                                    only_inputs=True, allow_unused=self.owner.allow_unused_input)
+                with self.owner.backend.without_autocast():
+                    torch.autograd.grad(outputs, inputs, grad_outputs=[torch.empty_like(o) for o in outputs],
+                                        only_inputs=True, allow_unused=self.owner.allow_unused_input)
 
     def capture_forward(self) -> None:
         args, kwargs = tree_unflatten(self.leaves, self.spec)
@@ -168,11 +208,12 @@ class _CapturedSignature:
                    auto_dispatch_capture=self.owner.auto_dispatch_capture):
             outputs = self.owner.call_original(*args, **kwargs)
         flat, self.output_spec = tree_flatten(outputs)
-        bad = [type(o).__name__ for o in flat if not isinstance(o, torch.Tensor)]
+        bad = [type(o).__name__ for o in flat if not isinstance(o, torch.Tensor) and o is not None]
         if bad:
-            raise GraphCaptureError(f"{self.owner.name}: graphed callables must return tensors (or nested "
+            raise GraphCaptureError(f"{self.owner.name}: graphed callables must return tensors or None (or nested "
                                     f"tuples/lists/dicts of them), got {', '.join(bad)}")
-        self.static_outputs = tuple(flat)
+        self.none_outputs = tuple(i for i, o in enumerate(flat) if o is None)
+        self.static_outputs = tuple(o for o in flat if o is not None)
 
     def capture_backward(self) -> None:
         self.static_grad_outputs = tuple(torch.empty_like(o) if o.requires_grad else None
@@ -181,8 +222,9 @@ class _CapturedSignature:
         inputs = tuple(i for i in self.surface if i.requires_grad)
         grads: Tuple[Optional[torch.Tensor], ...] = ()
         if outputs and inputs:
-            with graph(self.bwd_graph, pool=self.pool, capture_error_mode=self.owner.capture_error_mode,
-                       auto_dispatch_capture=self.owner.auto_dispatch_capture):
+            with self.owner.backend.without_autocast(), graph(
+                    self.bwd_graph, pool=self.pool, capture_error_mode=self.owner.capture_error_mode,
+                    auto_dispatch_capture=self.owner.auto_dispatch_capture):
                 grads = torch.autograd.grad(outputs, inputs,
                                             grad_outputs=tuple(g for g in self.static_grad_outputs if g is not None),
                                             only_inputs=True, allow_unused=self.owner.allow_unused_input)
@@ -190,24 +232,41 @@ class _CapturedSignature:
         self.static_grad_inputs = tuple(next(it) if (i.requires_grad and grads) else None for i in self.surface)
         self.function = self._make_function()
 
+    def replay_forward(self, inputs: Sequence[torch.Tensor]) -> None:
+        for static, new in zip(self.static_inputs, inputs):
+            if static.data_ptr() != new.data_ptr():
+                static.copy_(new)
+        self.fwd_graph.replay()
+        self.replays += 1
+
     def _make_function(self) -> Any:
         sig = self
+        name = self.owner.name
         num_user = len(self.static_inputs)
         pool_order = self.pool_order
 
         class Graphed(torch.autograd.Function):
             @staticmethod
             def forward(ctx: Any, *inputs: torch.Tensor) -> Tuple[torch.Tensor, ...]:
-                for static, new in zip(sig.static_inputs, inputs[:num_user]):
-                    if static.data_ptr() != new.data_ptr():
-                        static.copy_(new)
-                sig.fwd_graph.replay()
+                sig.replay_forward(inputs[:num_user])
+                ctx.replay = sig.replays
                 pool_order.pending[id(sig)] = (sig.order, weakref.ref(ctx))
-                return tuple(o.detach() for o in sig.static_outputs)
+                outputs = tuple(o.detach() for o in sig.static_outputs)
+                ctx.mark_non_differentiable(*(o for o, s in zip(outputs, sig.static_outputs) if not s.requires_grad))
+                return outputs
 
             @staticmethod
-            @torch.autograd.function.once_differentiable
             def backward(ctx: Any, *grads: torch.Tensor) -> Tuple[Optional[torch.Tensor], ...]:
+                if torch.is_grad_enabled():
+                    raise GraphStateError(
+                        f"{name}: backward with create_graph=True (double backward, e.g. a gradient penalty) "
+                        "reached its graphs, which replay a first-order backward; keep it eager for that "
+                        f"computation (npugraph_train.graphed.ungraph, or leave {name} out of @graph_safe/modules)")
+                if ctx.replay != sig.replays:
+                    raise GraphStateError(
+                        f"{name}: backward of a call whose activations a later call's replay overwrote "
+                        "(retain_graph=True, then another call before this backward); run each backward before "
+                        f"calling {name} again, or keep {name} eager")
                 pool_order.pending.pop(id(sig), None)
                 for static, grad in zip(sig.static_grad_outputs, grads):
                     if static is not None and grad is not None and static.data_ptr() != grad.data_ptr():
@@ -221,6 +280,11 @@ class _CapturedSignature:
 
         return Graphed
 
+    def release(self) -> None:
+        self.pool_order.pending.pop(id(self), None)
+        self.fwd_graph.reset()
+        self.bwd_graph.reset()
+
     def update(self, cpu_update_input: Union[List[Dict[str, Any]], Dict[str, List[Dict[str, Any]]]]) -> None:
         per_graph = cpu_update_input if isinstance(cpu_update_input, dict) else {
             "forward": cpu_update_input, "backward": cpu_update_input}
@@ -230,8 +294,17 @@ class _CapturedSignature:
                 g.update(per_graph[phase])
 
     def __call__(self, flat_args: List[Optional[torch.Tensor]]) -> Any:
-        out = self.function.apply(*(t for t in flat_args if isinstance(t, torch.Tensor)), *self.owner.params)
-        return tree_unflatten(list(out), self.output_spec)
+        inputs = _unique_tensors(flat_args)
+        if torch.is_grad_enabled():
+            out = list(self.function.apply(*inputs, *self.owner.params))
+        else:
+            # No backward follows: copies, so the next replay (the training call after a stop-gradient
+            # target) cannot overwrite what this call returned.
+            self.replay_forward(inputs)
+            out = [o.clone() for o in self.static_outputs]
+        for position in self.none_outputs:
+            out.insert(position, None)
+        return tree_unflatten(out, self.output_spec)
 
 
 class GraphedCallable:
@@ -255,12 +328,16 @@ class GraphedCallable:
         self._pending_update: Any = None
         self.is_module = isinstance(func, nn.Module)
         self.params: Tuple[torch.Tensor, ...] = tuple(func.parameters()) if self.is_module else ()
+        self.param_flags = self.current_param_flags()
         self.training = func.training if self.is_module else None
         self.signatures: Dict[tuple, _CapturedSignature] = {}
         self.stats: Dict[tuple, SignatureStats] = {}
         self.eager_calls: Counter = Counter()
         self._released = False
         self._warned = False
+
+    def current_param_flags(self) -> Tuple[bool, ...]:
+        return tuple(p.requires_grad for p in self.params)
 
     def call_original(self, *args: Any, **kwargs: Any) -> Any:
         if self.is_module:
@@ -276,17 +353,15 @@ class GraphedCallable:
         if self.is_module and self.func.training != self.training:
             return self._eager(_MODE_DIFFERS, args, kwargs)
         flat, spec = _flatten_call(args, kwargs)
-        key = _signature(spec, flat, self.backend)
+        flags = self.current_param_flags()
+        if flags != self.param_flags:
+            self._drop_signatures_for(flags)
+        key = _signature(spec, flat, self.backend, flags)
         sig = self.signatures.get(key)
         if sig is None:
-            if len(self.signatures) >= self.max_signatures:
-                return self._eager(f"signature {_describe(key)} not captured (max_signatures="
-                                   f"{self.max_signatures} reached){_requires_grad_hint(key, self.signatures)}",
-                                   args, kwargs)
-            if any(not isinstance(t, torch.Tensor) and not _is_constant(t) for t in flat):
-                return self._eager(f"non-tensor argument in {_describe(key)}", args, kwargs)
-            if self.backend.is_current_stream_capturing():
-                return self._eager("new signature met during another capture", args, kwargs)
+            why_not = self._why_not_capture(key, flat)
+            if why_not:
+                return self._eager(why_not, args, kwargs)
             sig = self._capture_new(key, flat, spec)
         if not sig.pool_order.may_replay(sig.order):
             return self._eager("called again before the backward of an earlier call in the same pool",
@@ -309,6 +384,34 @@ class GraphedCallable:
                                   "auto_dispatch_capture=True)")
         self._pending_update = cpu_update_input
 
+    def _why_not_capture(self, key: tuple, flat: List[Any]) -> str:
+        if len(self.signatures) >= self.max_signatures:
+            return (f"signature {_describe(key)} not captured (max_signatures={self.max_signatures} reached)"
+                    f"{_requires_grad_hint(key, self.signatures)}")
+        if any(not isinstance(t, torch.Tensor) and not _is_constant(t) for t in flat):
+            return f"non-tensor argument in {_describe(key)}"
+        if self.backend.is_current_stream_capturing():
+            return "new signature met during another capture"
+        if torch.is_inference_mode_enabled():
+            # Its static buffers would be inference tensors, which later training calls cannot write.
+            return "new signature met under inference_mode (captured in training or no_grad calls only)"
+        if self.backend.autocast_state()[0] and torch.is_autocast_cache_enabled():
+            # The autocast cache would hand the graph this step's casts of the weights forever.
+            return (f"new signature met under autocast with cache_enabled=True (use torch.autocast("
+                    f"'{self.backend.device_type}', ..., cache_enabled=False))")
+        return ""
+
+    def _drop_signatures_for(self, flags: Tuple[bool, ...]) -> None:
+        # Their backward graphs compute the gradients of the parameters that required grad then: useless now
+        # (a finetuning callback unfroze a backbone), so the next call captures anew.
+        changed = sum(a != b for a, b in zip(flags, self.param_flags))
+        warn_at_user_code(f"npugraph_train: {self.name}: {changed} parameters changed requires_grad since capture; "
+                          "its graphs are captured again for the new setting")
+        for sig in self.signatures.values():
+            sig.release()
+        self.signatures.clear()
+        self.param_flags = flags
+
     def _eager(self, reason: str, args: tuple, kwargs: dict) -> Any:
         # Eval-mode calls are eager by design (validation); anything else is worth one warning.
         if not self._warned and reason != _MODE_DIFFERS:
@@ -323,9 +426,7 @@ class GraphedCallable:
         # memory that other callables' pending backwards still need.
         if self.cache_pool is None:
             self.cache_pool = self.backend.graph_pool_handle()
-        static = [t.detach().clone().requires_grad_(t.requires_grad) if isinstance(t, torch.Tensor) else t
-                  for t in flat]
-        sig = _CapturedSignature(self, static, spec, self.cache_pool, (next(_batch_ids), 0))
+        sig = _CapturedSignature(self, _static_copies(flat), spec, self.cache_pool, (next(_batch_ids), 0))
         capture_signatures([sig], key_of={id(sig): key})
         return sig
 
@@ -333,9 +434,7 @@ class GraphedCallable:
     def release(self) -> None:
         """Drop all graphs; later calls run the original forward."""
         for sig in self.signatures.values():
-            sig.pool_order.pending.pop(id(sig), None)
-            sig.fwd_graph.reset()
-            sig.bwd_graph.reset()
+            sig.release()
         self.signatures.clear()
         self._released = True
 
@@ -442,6 +541,9 @@ def _check_callable(func: Callable, name: str, args: tuple, kwargs: Dict[str, An
             raise GraphStateError(f"{name} is already graphed; call npugraph_train.graphed.ungraph({name}) first")
         for sub_name, sub in func.named_modules():
             where = f"{name}.{sub_name}" if sub_name else name
+            if sub_name and isinstance(sub.__dict__.get("forward"), GraphedForward):
+                raise GraphStateError(f"{where} is already graphed, inside {name}: graph either the outer module "
+                                      f"(after npugraph_train.graphed.ungraph({where})) or the inner one")
             hooks = [kind for kind in ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks",
                                        "_backward_pre_hooks") if getattr(sub, kind, None)]
             if hooks:
@@ -525,8 +627,8 @@ def make_graphed_callables(
         _check_callable(func, name, args, kwargs, chosen)
         state = GraphedCallable(func, name, chosen, num_warmup_iters, allow_unused_input, limit, capture_error_mode,
                                 auto_dispatch_capture)
-        sig = _CapturedSignature(state, list(flat), spec, pool, (batch, index))
-        key_of[id(sig)] = _signature(spec, flat, chosen)
+        sig = _CapturedSignature(state, _static_copies(flat), spec, pool, (batch, index))
+        key_of[id(sig)] = _signature(spec, flat, chosen, state.param_flags)
         sigs.append(sig)
         states.append(state)
     capture_signatures(sigs, key_of)

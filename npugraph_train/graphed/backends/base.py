@@ -1,6 +1,7 @@
 """The interface every graph backend implements: graphs, streams, pools and RNG state of one device kind."""
 from __future__ import annotations
 
+import contextlib
 from abc import ABC, abstractmethod
 from typing import Any, ContextManager, Dict, List, Optional, Tuple
 
@@ -79,6 +80,12 @@ class Backend(ABC):
     def autocast_state(self) -> Tuple[bool, torch.dtype]:
         """Whether autocast is on for this device, and its dtype (graphs bake both in)."""
         return torch.is_autocast_enabled(self.device_type), torch.get_autocast_dtype(self.device_type)
+
+    def without_autocast(self) -> ContextManager:
+        """A region outside this device's autocast, where eager backward runs (outside ``forward_context``)."""
+        if not self.autocast_state()[0]:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device_type, enabled=False)
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.name!r}>"

@@ -14,7 +14,10 @@ What it models, as a device graph behaves:
   contents back (an optimizer step captured without a replay updates nothing), floating-point tensors
   created by the capture are filled with NaN (reading an output before the first replay shows up),
   and torch's CPU RNG state is restored (capture draws no random numbers).
-- Random ops draw new numbers on every replay, from torch's CPU generator.
+- Random ops draw new numbers on every replay, from torch's CPU generator. Reading or setting that
+  generator's state during capture (``torch.get_rng_state``, ``set_rng_state``, ``fork_rng``; activation
+  checkpointing does so unless ``preserve_rng_state=False``) raises ``GraphCaptureError``, as CUDA's
+  "Cannot call CUDAGeneratorImpl::current_seed during CUDA graph capture" does.
 - Ops that make the host wait for device data (``.item()``, ``.tolist()``, ``.numpy()``, ``.cpu()``,
   ``bool(t)``, printing a tensor, ``nonzero``, ``torch.equal``, ops with data-dependent output shapes,
   ``synchronize()``) raise ``GraphCaptureError``
@@ -70,6 +73,31 @@ def _capture_error(what: str) -> GraphCaptureError:
         f"{what} during graph capture at {user_source_line()}. A replayed graph runs without the host: it "
         "cannot hand device data to it or take host data from it; move this out of the captured region, or "
         "keep the value on the device (e.g. torch.where instead of a Python branch, a tensor made before capture).")
+
+
+def _refuse_rng_state_during_capture(original: Callable) -> Callable:
+    @functools.wraps(original)
+    def guarded(*args: Any, **kwargs: Any) -> Any:
+        if getattr(_local, "capture_stream", None) is not None:
+            raise GraphCaptureError(
+                f"torch.{original.__name__}() during graph capture at {user_source_line()}: a device cannot read "
+                "or set its generator's state while capturing (CUDA: 'Cannot call "
+                "CUDAGeneratorImpl::current_seed during CUDA graph capture'), and a replay would not restore it. "
+                "Activation checkpointing does this to replay dropout: pass preserve_rng_state=False where the "
+                "checkpointed code draws no random numbers, or checkpoint outside the captured region")
+        return original(*args, **kwargs)
+    guarded.original = original  # type: ignore[attr-defined]
+    return guarded
+
+
+@contextmanager
+def _rng_state_guard() -> Iterator[None]:
+    originals = torch.get_rng_state, torch.set_rng_state
+    torch.get_rng_state, torch.set_rng_state = (_refuse_rng_state_during_capture(f) for f in originals)
+    try:
+        yield
+    finally:
+        torch.get_rng_state, torch.set_rng_state = originals
 
 
 class EmulatedStream:
@@ -183,7 +211,7 @@ class EmulatedGraph:
         self._saved: dict = {}  # storage key -> (storage, copy of its contents before capture)
         self._rng_state = torch.get_rng_state()
         _local.capture_stream = _current_stream()
-        self._modes = (_Recorder(self), _HostReadGuard())
+        self._modes = (_Recorder(self), _HostReadGuard(), _rng_state_guard())
         for mode in self._modes:
             mode.__enter__()
 
