@@ -201,3 +201,13 @@ def test_plain_lr_is_the_shortest_decimal_of_the_float32(written):
     plain = plain_lr(lr)
     assert torch.tensor(plain, dtype=torch.float32).item() == lr.item(), "restoring it gives the same lr tensor"
     assert len(repr(plain)) <= len(repr(written)) and len(repr(plain)) < len(repr(lr.item()))
+
+
+def test_float64_parameters_get_a_float64_lr_written_back_exactly():
+    model = _model().double()  # precision="64-true"
+    written = 0.009045084971874737  # a cosine schedule's value: not a float32
+    opt = make_capturable(torch.optim.SGD(model.parameters(), lr=written, momentum=0.9))
+    lr = opt.param_groups[0]["lr"]
+    assert lr.dtype == torch.float64 and lr.item() == written, "not rounded to float32"
+    assert plain_lr(lr) == written and opt.state_dict()["param_groups"][0]["lr"] == written
+    assert make_capturable(torch.optim.SGD(_model().parameters(), lr=0.1)).param_groups[0]["lr"].dtype == torch.float32

@@ -1,3 +1,7 @@
+import linecache
+import re
+
+import lightning.pytorch as pl
 import pytest
 import torch
 from lightning.pytorch import Callback
@@ -255,6 +259,41 @@ class TestRefusals:
         with pytest.raises(MisconfigurationException, match="OneCycleLR.*cycle_momentum=False"):
             self._fit(OneCycle())
 
+    @pytest.mark.parametrize("outer", ["SequentialLR", "ChainedScheduler"])
+    def test_cycle_momentum_scheduler_nested(self, outer):
+        class Nested(Scheduled):
+            def configure_optimizers(self):
+                opt = torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)
+                S = torch.optim.lr_scheduler
+                inner = [S.ConstantLR(opt, 1.0, total_iters=1), S.OneCycleLR(opt, 0.1, 100)]
+                scheduler = S.SequentialLR(opt, inner, [1]) if outer == "SequentialLR" else S.ChainedScheduler(inner)
+                return {"optimizer": opt, "lr_scheduler": scheduler}
+
+        with pytest.raises(MisconfigurationException, match=f"OneCycleLR.*in {outer}.*cycle_momentum=False"):
+            self._fit(Nested())
+
+    def test_logging_a_metric_object(self):
+        class Metric(torch.nn.Module):  # the surface of a torchmetrics Metric
+            def update(self, *args):
+                pass
+
+            def compute(self):
+                return torch.zeros(())
+
+        class LogsMetric(Scheduled):
+            def __init__(self):
+                super().__init__()
+                self.metric = Metric()
+
+            def training_step(self, batch, batch_idx):
+                if batch_idx > 0:  # Lightning itself refuses this double in the eager warmup step
+                    self.log("metric", self.metric)
+                return super().training_step(batch, batch_idx)
+
+        with pytest.raises(MisconfigurationException, match="'metric' as a Metric metric object.*on_train_batch_end.*"
+                                                            r"metric.update\(...\) and self.log\(name, metric\)"):
+            self._fit(LogsMetric(), {"warmup_steps": 1})
+
 
 def test_logging_in_optimizer_hooks_is_refreshed_every_step():
     class LogsGradNorm(Scheduled):
@@ -430,3 +469,195 @@ def test_dataclass_batches_are_refused_with_the_fix():
                 val_check_interval=None, limit_val_batches=0)
     with pytest.raises(MisconfigurationException, match=r"Batch dataclass.*register_dataclass\(Batch\)"):
         t.fit(WithDataclass(), torch.utils.data.DataLoader(data, batch_size=4, collate_fn=collate))
+
+
+class RebindsState(Scheduled):
+    """Keeps state in tensor attributes replaced inside training_step: a graph would replay on the old ones."""
+
+    def __init__(self, kind="buffer", **kwargs):
+        super().__init__(**kwargs)
+        self.kind = kind
+        self.register_buffer("ema", torch.zeros(()))
+        self.losses = []
+
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        if self.kind == "buffer":
+            self.ema = 0.9 * self.ema + 0.1 * loss.detach()
+        else:
+            self.losses.append(loss.detach())
+        return loss
+
+
+@pytest.mark.parametrize("kind,name", [("buffer", "ema"), ("list", "losses")])
+def test_rebinding_tensor_attributes_in_training_step_is_refused(kind, name):
+    torch.manual_seed(0)
+    model = RebindsState(kind)
+    with pytest.raises(ngt.GraphCaptureError, match=rf"replaces the tensor attribute\(s\) {name} .*in place.*"
+                                                    "on_train_batch_end"):
+        trainer([NPUGraphCallback(mode="whole_step")], max_steps=6).fit(model, *loaders())
+    # the bindings before the capture are back: the buffer holds 3 warmup steps' average, the list 3 losses
+    assert model.ema.isfinite().all() and (model.ema != 0 if kind == "buffer" else len(model.losses) == 3)
+
+
+def test_rebinding_with_on_failure_eager_runs_eager_like_plain_lightning():
+    def run(callbacks):
+        torch.manual_seed(0)
+        model = RebindsState()
+        trainer(callbacks, max_steps=8, val_check_interval=None, limit_val_batches=0).fit(model, loaders()[0])
+        return model
+
+    eager = run([])
+    callback = NPUGraphCallback(mode="whole_step", on_failure="eager")
+    with pytest.warns(UserWarning, match="capture failed, runs eager.*replaces the tensor attribute"):
+        graphed = run([callback])
+    assert callback.report()[0]["eager_calls"] == {"capture failed (on_failure='eager')": 5}
+    assert _same(eager, graphed) and torch.equal(eager.ema, graphed.ema)
+
+
+class ManualLr(Scheduled):
+    """Sets the learning rate itself before each step (a warmup), as a float or as a new tensor."""
+
+    def __init__(self, as_tensor=False, **kwargs):
+        super().__init__(**kwargs)
+        self.as_tensor = as_tensor
+
+    def on_train_batch_start(self, batch, batch_idx):
+        lr = 0.05 * min(1.0, (self.trainer.global_step + 1) / 10)
+        for group in self.trainer.optimizers[0].param_groups:
+            group["lr"] = torch.tensor(lr) if self.as_tensor else lr
+
+
+@pytest.mark.parametrize("as_tensor", [False, True], ids=["float", "tensor"])
+def test_learning_rates_assigned_by_user_code_are_adopted(as_tensor):
+    def run(graphed):
+        torch.manual_seed(0)
+        trace = Trace()
+        model = ManualLr(as_tensor, schedule="cosine")
+        t = trainer([trace, NPUGraphCallback(mode="whole_step", **graphed)], max_steps=14)
+        t.fit(model, *loaders())
+        return model, trace.rows, t
+
+    (eager, eager_trace, _), (graphed, graphed_trace, t) = run({"warmup_steps": 10 ** 6}), run({})
+    assert len({row[3] for row in graphed_trace}) > 8, "the warmup reached the captured step"
+    assert _same(eager, graphed)
+    _same_trace(eager_trace, graphed_trace)
+    assert t.callbacks[-1].report()[0]["captures"] == 1
+    assert isinstance(t.optimizers[0].param_groups[0]["lr"], torch.Tensor)
+
+
+class ChangesSetup(Scheduled):
+    """Changes what the captured step baked in at the start of epoch 1 (step 9)."""
+
+    def __init__(self, change, **kwargs):
+        super().__init__(**kwargs)
+        self.change = change
+        if change in ("unfreeze", "add_param_group"):
+            self.embed.requires_grad_(False)
+
+    def configure_optimizers(self):
+        params = [p for p in self.parameters() if p.requires_grad] if self.change == "add_param_group" else None
+        opt = torch.optim.AdamW(params or self.parameters(), lr=0.01, weight_decay=0.01)
+        return make_capturable(opt)
+
+    def on_train_epoch_start(self):
+        if self.current_epoch != 1:
+            return
+        opt = self.trainer.optimizers[0]
+        if self.change == "weight_decay":
+            opt.param_groups[0]["weight_decay"] = 0.5
+        elif self.change == "unfreeze":
+            self.embed.requires_grad_(True)
+        elif self.change == "add_param_group":
+            self.embed.requires_grad_(True)
+            opt.add_param_group({"params": list(self.embed.parameters()), "lr": 0.002})
+        elif self.change == "eval":
+            self.blocks[0].drop.eval()
+
+
+@pytest.mark.parametrize("change,reason", [
+    ("weight_decay", "param group 0's 'weight_decay' changed"),
+    ("unfreeze", "requires_grad of parameters changed"),
+    ("add_param_group", "param groups were added or removed"),
+    ("eval", "switched between train() and eval()"),
+])
+def test_setup_changes_after_capture_capture_again(change, reason):
+    def run(callbacks):
+        torch.manual_seed(0)
+        model = ChangesSetup(change, dropout=0.2)
+        trainer(callbacks, max_steps=18, val_check_interval=None, limit_val_batches=0).fit(model, loaders()[0])
+        return model
+
+    eager = run([])
+    callback = NPUGraphCallback(mode="whole_step")
+    with pytest.warns(UserWarning, match=f"{re.escape(reason)}.*after the training step was captured"):
+        graphed = run([callback])
+    assert _same(eager, graphed)
+    report = callback.report()[0]
+    assert report["captures"] == 2 and report["status"] == "graphed"
+    assert report["signatures"][1]["description"].startswith("(float32[8, 4], float32[8, 1]) recaptured: ")
+    assert reason in report["signatures"][1]["description"]
+    # new trainable parameters first get their optimizer state from an eager step
+    waits = sum(n for r, n in report["eager_calls"].items() if "optimizer state" in r)
+    assert waits == (1 if change in ("unfreeze", "add_param_group") else 0)
+
+
+def test_model_pruning_between_epochs_captures_again():
+    from lightning.pytorch.callbacks import ModelPruning
+
+    def run(callbacks):
+        torch.manual_seed(0)
+        model = Scheduled()
+        pruning = ModelPruning("l1_unstructured", amount=0.3, verbose=0)
+        trainer([pruning] + callbacks, max_steps=27, val_check_interval=None, limit_val_batches=0).fit(
+            model, loaders()[0])
+        return model
+
+    eager = run([])
+    callback = NPUGraphCallback(mode="whole_step")
+    with pytest.warns(UserWarning, match="parameters, buffers or hooks changed"):
+        graphed = run([callback])
+    assert _same(eager, graphed)
+    assert callback.report()[0]["captures"] == 3  # before pruning, and after each of the two epoch ends
+
+
+def test_logged_get_last_lr_is_the_live_learning_rate():
+    class LogsLr(Scheduled):
+        def training_step(self, batch, batch_idx):
+            self.log("lr_logged", self.lr_schedulers().get_last_lr()[0])
+            return super().training_step(batch, batch_idx)
+
+    def run(callbacks):
+        torch.manual_seed(0)
+        values = []
+        log = Callback()
+        log.on_train_batch_end = lambda t, *args: values.append(t.callback_metrics["lr_logged"].item())
+        trainer([log] + callbacks, max_steps=12).fit(LogsLr(), *loaders())
+        return values
+
+    eager, graphed = run([]), run([NPUGraphCallback(mode="whole_step")])
+    assert eager == graphed and len(set(graphed)) == 3  # StepLR(4, 0.7) over 12 steps
+
+
+def test_reading_global_step_during_capture_warns_at_the_line():
+    class Ramp(Scheduled):
+        def training_step(self, batch, batch_idx):
+            loss = super().training_step(batch, batch_idx)
+            return loss * min(1.0, (self.global_step + 1) / 10)
+
+    torch.manual_seed(0)
+    with pytest.warns(RuntimeWarning, match=r"reads self.global_step \(3\).*every replay") as record:
+        trainer([NPUGraphCallback(mode="whole_step")], max_steps=5).fit(Ramp(), *loaders())
+    [warning] = [w for w in record if "global_step" in str(w.message)]
+    assert warning.filename == __file__ and "self.global_step" in linecache.getline(__file__, warning.lineno)
+    assert isinstance(pl.LightningModule.__dict__["global_step"], property) and Ramp().global_step == 0
+
+
+def test_python_values_returned_from_training_step_warn():
+    class ReturnsIds(Scheduled):
+        def training_step(self, batch, batch_idx):
+            return {"loss": super().training_step(batch, batch_idx), "batch_idx": batch_idx}
+
+    torch.manual_seed(0)
+    with pytest.warns(UserWarning, match=r"training_step returns 'batch_idx' \(3\): non-tensor values"):
+        trainer([NPUGraphCallback(mode="whole_step")], max_steps=5).fit(ReturnsIds(), *loaders())

@@ -6,8 +6,12 @@ whose batch is shaped like the previous step's (:mod:`.batch`) runs under captur
 into static buffers; every later step copies the new batch into those buffers, replays, and does
 Lightning's bookkeeping (progress counters, ``self.log`` values from the static tensors, the returned
 loss). A batch of another structure, shape or dtype runs as an ordinary eager step. Per-step host work
-on the replay path is: one ``tree_flatten`` of the batch and a comparison of its leaves, the copies,
-``replay()``, five counter increments, the recorded ``log`` calls and a clone of the step's outputs.
+on the replay path is: one ``tree_flatten`` of the batch and a comparison of its leaves, the setup check
+(about 10 µs on the benchmark models), the copies, ``replay()``, five counter increments, the recorded
+``log`` calls and a clone of the step's outputs.
+
+What the graph bakes in is checked before each replay, and what the step must not do is checked at
+capture (:mod:`.step_checks`); a changed setup captures the step again.
 """
 from __future__ import annotations
 
@@ -15,7 +19,7 @@ import copy
 import dataclasses
 import time
 from collections import Counter, OrderedDict
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import lightning.pytorch as pl
 import torch
@@ -33,7 +37,10 @@ from ..graphed import Graph, GraphCaptureError, graph
 from ..graphed.backends import Backend
 from ..graphed.user_code import warn_at_user_code
 from ..optim import check_capture_safe, clip_grad_norm_, make_capturable
-from .batch import VALUES_DIFFER, BatchKey, batch_key, describe, ready_to_capture, values_differ
+from .batch import (MAX_CAPTURE_DELAY, VALUES_DIFFER, BatchKey, batch_key, describe, ready_to_capture,
+                    values_differ)
+from .step_checks import (BakedSetup, python_outputs, rebinding_error, restore_rebound, tensor_bindings,
+                          watch_host_counters)
 
 # The LightningModule method that maps a batch to the cpu_update_input of its graphs (auto_dispatch_capture).
 UPDATE_HOOK = "npugraph_update_input"
@@ -47,6 +54,18 @@ def _clone(value: Any) -> Any:
     return value.clone() if isinstance(value, torch.Tensor) else value
 
 
+def _with_nested(scheduler: Any) -> Iterator[Any]:
+    """The scheduler and those it chains (SequentialLR, ChainedScheduler: ``_schedulers``), depth first."""
+    yield scheduler
+    for inner in getattr(scheduler, "_schedulers", None) or ():
+        yield from _with_nested(inner)
+
+
+def _is_metric(value: Any) -> bool:
+    return type(value).__module__.startswith("torchmetrics") or (
+        callable(getattr(value, "update", None)) and callable(getattr(value, "compute", None)))
+
+
 class _LogRecorder:
     """Stands in for ``LightningModule.log`` during capture; the calls are replayed after every replay."""
 
@@ -57,12 +76,30 @@ class _LogRecorder:
 
     def __call__(self, name: str, value: Any, *args: Any, **kwargs: Any) -> None:
         fx = self.module._current_fx_name
+        if not isinstance(value, torch.Tensor) and _is_metric(value):
+            # Updating a metric inside the step would rebind its states (refused at capture): point past that.
+            raise MisconfigurationException(
+                f"whole_step: {fx} logs {name!r} as a {type(value).__name__} metric object, whose update and "
+                "compute a captured step would run once, at capture. Update and log metric objects outside the "
+                "captured step: in on_train_batch_end(outputs, batch, batch_idx) call metric.update(...) and "
+                "self.log(name, metric) (or log metric.compute() there), with what training_step returns")
         if not isinstance(value, torch.Tensor):
             raise MisconfigurationException(
                 f"whole_step: {fx} logs {name!r} as a Python {type(value).__name__}; a captured step would log the "
                 "capture step's value forever. Log a tensor (e.g. self.log(name, loss.detach())), or log "
                 "outside the training step (on_train_batch_end)")
-        self.calls.append((fx, name, f"{fx}.{name}", value, args, kwargs))
+        self.calls.append((fx, name, f"{fx}.{name}", self._live_lr(value), args, kwargs))
+
+    def _live_lr(self, value: torch.Tensor) -> torch.Tensor:
+        """For an entry of a scheduler's ``get_last_lr()``, the param group's lr tensor: schedulers replace
+        the entries with copies at each step but fill the group's tensor in place, so only it stays current."""
+        for config in self.module.trainer.lr_scheduler_configs:
+            for scheduler in _with_nested(config.scheduler):
+                for i, last in enumerate(getattr(scheduler, "_last_lr", None) or ()):
+                    groups = getattr(getattr(scheduler, "optimizer", None), "param_groups", ())
+                    if last is value and i < len(groups) and isinstance(groups[i]["lr"], torch.Tensor):
+                        return groups[i]["lr"]
+        return value
 
     def emit(self) -> None:
         """Log the static tensors' values of this step, as the captured calls did at capture."""
@@ -108,7 +145,11 @@ class WholeStepGrapher:
         self.replays = 0
         self.capture_seconds = 0.0
         self.pool_bytes: Optional[int] = None
+        # Per capture: batch description, why it was captured again, replays before it, time, pool bytes.
+        self.captures: List[Dict[str, Any]] = []
         self.eager_steps: Counter = Counter()
+        self.setup = BakedSetup()  # what the graph bakes in, checked before each replay
+        self.recapture_reason: Optional[str] = None  # set while a changed setup waits to be captured again
         self.status = "not captured yet"
         self._warned: set = set()  # kinds of eager steps warned about
         self._loop: Optional[_WholeStepOptimization] = None
@@ -154,16 +195,18 @@ class WholeStepGrapher:
     def prepare_optimizers(self, trainer: "pl.Trainer") -> None:
         # Lightning itself allows only one optimizer under automatic optimization.
         for config in trainer.lr_scheduler_configs:
-            scheduler = config.scheduler
-            if isinstance(scheduler, (OneCycleLR, CyclicLR)) and getattr(scheduler, "cycle_momentum", False):
-                raise MisconfigurationException(
-                    f"{type(scheduler).__name__}(cycle_momentum=True) replaces momentum/betas, which a captured "
-                    "step freezes; pass cycle_momentum=False")
+            for scheduler in _with_nested(config.scheduler):  # also inside SequentialLR, ChainedScheduler
+                if isinstance(scheduler, (OneCycleLR, CyclicLR)) and getattr(scheduler, "cycle_momentum", False):
+                    where = "" if scheduler is config.scheduler else f" (in {type(config.scheduler).__name__})"
+                    raise MisconfigurationException(
+                        f"{type(scheduler).__name__}(cycle_momentum=True){where} replaces momentum/betas, which a "
+                        "captured step freezes; pass cycle_momentum=False")
         optimizer = trainer.optimizers[0]
         if self.config.convert_optimizers:
             make_capturable(optimizer)
         else:
             check_capture_safe(optimizer, tensor_lr_needed=bool(trainer.lr_scheduler_configs))
+        self.setup.track_lrs(_unwrap(optimizer).param_groups)
 
     # loop installation ---------------------------------------------------------------------------
     def install(self, trainer: "pl.Trainer") -> None:
@@ -199,7 +242,7 @@ class WholeStepGrapher:
                 "does not flatten, so its tensors cannot be copied into the graph's static buffers; register it "
                 f"(torch.utils._pytree.register_dataclass({opaque[0]})) or return tuples and dicts from the DataLoader")
         self.static_leaves = [_clone(leaf) for leaf in leaves]
-        self.key = batch_key(leaves, spec)
+        key = batch_key(leaves, spec)
         static_kwargs = OrderedDict(kwargs)
         static_kwargs["batch"] = tree_unflatten(self.static_leaves, spec)
         optimizer.zero_grad(set_to_none=True)  # backward allocates the gradients inside the graph
@@ -207,18 +250,24 @@ class WholeStepGrapher:
         module.log = self.logs
         self.graph = Graph(self.backend)
         progress = copy.deepcopy(loop.optim_progress.state_dict())
+        bindings = tensor_bindings(module)
         failure: Optional[GraphCaptureError] = None
         started = time.perf_counter()
         try:
-            with graph(self.graph, capture_error_mode=self.config.capture_error_mode,
-                       auto_dispatch_capture=self.config.auto_dispatch_capture):
+            with watch_host_counters(self._warn_host_read), graph(
+                    self.graph, capture_error_mode=self.config.capture_error_mode,
+                    auto_dispatch_capture=self.config.auto_dispatch_capture):
                 result = _AutomaticOptimization.run(loop, optimizer, batch_idx, static_kwargs)
         except GraphCaptureError as exc:
             failure = exc
         finally:
             del module.log
+            # Capture ran no kernels: the tensors bound before it still hold the values they had then.
+            rebound = restore_rebound(bindings)
+        if failure is None and rebound:
+            failure = rebinding_error(module, rebound)
         if failure is not None:
-            self.graph, self.key = None, None
+            self.graph = None
             if self.config.on_failure == "raise":
                 raise GraphCaptureError(f"capturing the training step failed: {failure}",
                                         module_name="training_step") from failure
@@ -227,6 +276,7 @@ class WholeStepGrapher:
             self.active, self.failed, self.status = False, True, f"capture failed, runs eager: {failure}"
             rank_zero_warn(f"NPUGraphCallback(mode='whole_step'): the training step {self.status}")
             return loop.eager_step(optimizer, batch_idx, kwargs, "capture failed (on_failure='eager')")
+        self.key = key
         self.capture_seconds = time.perf_counter() - started
         self.pool_bytes = self.graph.pool_bytes()
         if not result:
@@ -234,12 +284,35 @@ class WholeStepGrapher:
             raise MisconfigurationException(
                 "NPUGraphCallback(mode='whole_step'): training_step returned None (a skipped step), which a graph "
                 "cannot replay; return the loss, and skip batches in the data instead")
+        self._warn_python_outputs(result)
         self.static_result = result
         self.static_grads = [(p, p.grad) for group in _unwrap(optimizer).param_groups for p in group["params"]
                              if p.grad is not None]
+        self.setup.remember(module, _unwrap(optimizer).param_groups)
+        self.captures.append({"description": describe(key), "reason": self.recapture_reason,
+                              "first_replay": self.replays, "capture_seconds": self.capture_seconds,
+                              "pool_bytes": self.pool_bytes})
+        self.recapture_reason = None
         self.status = "graphed"
         # Capture runs no kernels: this replay is the capture step's update.
         return self.replay_step(loop, batch=kwargs["batch"])
+
+    def _warn_host_read(self, name: str, value: Any) -> None:
+        if f"read:{name}" not in self._warned:
+            self._warned.add(f"read:{name}")
+            warn_at_user_code(
+                f"npugraph_train: the captured training step reads self.{name} ({value}) on the host: every replay "
+                f"uses this value. Keep {name}-dependent logic out of training_step, or pass it as a device tensor "
+                "updated in place outside the step (e.g. a buffer you fill_ in on_train_batch_start)")
+
+    def _warn_python_outputs(self, result: Dict[str, Any]) -> None:
+        keys = python_outputs(result)
+        if keys and "outputs" not in self._warned:
+            self._warned.add("outputs")
+            shown = ", ".join(f"{k!r} ({result[k]!r:.40})" for k in keys)
+            rank_zero_warn(f"NPUGraphCallback(mode='whole_step'): training_step returns {shown}: non-tensor values, "
+                           "which every replay returns as at the capture step. Return tensors, or compute such "
+                           "values outside the step (on_train_batch_end gets the batch and batch_idx)")
 
     def replay_step(self, loop: "_WholeStepOptimization", leaves: Optional[List[Any]] = None,
                     batch: Any = None) -> Dict[str, Any]:
@@ -267,6 +340,16 @@ class WholeStepGrapher:
                               "reason are only counted (NPUGraphCallback.report())")
         self.eager_steps[reason] += 1
 
+    def drop_for_recapture(self, kind: str, reason: str) -> None:
+        if f"setup:{kind}" not in self._warned:
+            self._warned.add(f"setup:{kind}")
+            rank_zero_warn(f"NPUGraphCallback(mode='whole_step'): {reason} after the training step was captured; "
+                           "it is captured again with the new setup, on the next step with the captured batch shape. "
+                           "Each change costs a capture (counted in NPUGraphCallback.report()): a setting changed "
+                           "every step is better kept constant, or as a tensor changed in place")
+        self.graph, self.static_leaves, self.static_result, self.static_grads = None, [], {}, []
+        self.recapture_reason, self.capture_delay = reason, 0
+
     def release(self) -> None:
         self.graph = None
         self.active = False
@@ -274,14 +357,32 @@ class WholeStepGrapher:
         self.static_grads = []
 
     def report(self) -> List[Dict[str, Any]]:
-        signatures = [{"description": describe(self.key), "replays": self.replays,
-                       "capture_seconds": self.capture_seconds, "pool_bytes": self.pool_bytes}] if self.key else []
-        return [{"module": "training_step", "status": self.status, "signatures": signatures,
-                 "replays": self.replays, "eager_calls": dict(self.eager_steps)}]
+        # One row per batch shape and reason: a setting changed every step is one row, not one per step.
+        rows: Dict[Tuple[str, Optional[str]], Dict[str, Any]] = {}
+        for i, c in enumerate(self.captures):
+            end = self.captures[i + 1]["first_replay"] if i + 1 < len(self.captures) else self.replays
+            row = rows.setdefault((c["description"], c["reason"]), {
+                "description": c["description"], "replays": 0, "capture_seconds": 0.0,
+                "pool_bytes": c["pool_bytes"], "captures": 0})
+            row["replays"] += end - c["first_replay"]
+            row["capture_seconds"] += c["capture_seconds"]
+            row["captures"] += 1
+            if c["reason"]:
+                times = f" x{row['captures']}" if row["captures"] > 1 else ""
+                row["description"] = f"{c['description']} recaptured{times}: {c['reason']}"
+        return [{"module": "training_step", "status": self.status, "signatures": list(rows.values()),
+                 "replays": self.replays, "captures": len(self.captures), "eager_calls": dict(self.eager_steps)}]
 
 
 def _unwrap(optimizer: Any) -> Any:
     return getattr(optimizer, "_optimizer", optimizer)
+
+
+def _lacks_state(optimizer: Any) -> bool:
+    """Some trained parameters have optimizer state and others none yet (unfrozen, or in a new group)."""
+    has_state = [bool(optimizer.state.get(p)) for group in optimizer.param_groups for p in group["params"]
+                 if p.requires_grad]
+    return any(has_state) and not all(has_state)
 
 
 class _WholeStepOptimization(_AutomaticOptimization):
@@ -298,9 +399,17 @@ class _WholeStepOptimization(_AutomaticOptimization):
         grapher = self.grapher
         if grapher.failed:
             return self.eager_step(optimizer, batch_idx, kwargs, "capture failed (on_failure='eager')")
+        groups = _unwrap(optimizer).param_groups
+        grapher.setup.adopt_lrs(groups)  # also on eager steps: they and a later capture read the same lr tensors
         leaves, spec = tree_flatten(kwargs["batch"])
         key = batch_key(leaves, spec)
+        if grapher.graph is not None:
+            change = grapher.setup.change(self.trainer.lightning_module, groups, batch_idx)
+            if change is not None:
+                grapher.drop_for_recapture(*change)
         if grapher.graph is None:
+            if grapher.recapture_reason is not None:
+                return self.recapture(optimizer, batch_idx, kwargs, leaves, spec, key)
             previous, grapher.previous_key = grapher.previous_key, key
             if not grapher.active:
                 return super().run(optimizer, batch_idx, kwargs)  # a warmup step
@@ -323,6 +432,22 @@ class _WholeStepOptimization(_AutomaticOptimization):
         progress.step.increment_ready()
         progress.step.increment_completed()
         return result
+
+    def recapture(self, optimizer: Any, batch_idx: int, kwargs: OrderedDict, leaves: List[Any], spec: Any,
+                  key: BatchKey) -> Dict[str, Any]:
+        """Capture again after a setup change: on a batch like the captured one, once the parameters that
+        are trained now have optimizer state (created inside a graph, it would be reset by every replay)."""
+        grapher = self.grapher
+        if grapher.capture_delay < MAX_CAPTURE_DELAY:
+            if key != grapher.key:
+                grapher.capture_delay += 1
+                return self.eager_step(optimizer, batch_idx, kwargs, "capture again waits for a batch like the "
+                                       "captured one")
+            if _lacks_state(_unwrap(optimizer)):
+                grapher.capture_delay += 1
+                return self.eager_step(optimizer, batch_idx, kwargs, "capture again waits for an eager step to "
+                                       "create the optimizer state of newly trained parameters")
+        return grapher.capture(self, optimizer, batch_idx, kwargs, leaves, spec)
 
     def eager_step(self, optimizer: Any, batch_idx: int, kwargs: OrderedDict, reason: str,
                    kind: Optional[str] = None) -> Dict[str, Any]:

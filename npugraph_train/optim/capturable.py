@@ -15,7 +15,8 @@ What it does, keeping the optimizer object and its state:
   tensor learning rate on the host even when capturable), step counts moved to the parameters' device;
 - SGD, which has none: a step that multiplies by a device learning rate instead of reading it on the
   host (same update, possibly different in the last bit from ``alpha=-lr``);
-- every learning rate becomes a 0-dim tensor on the parameters' device, which schedulers ``fill_``;
+- every learning rate becomes a 0-dim tensor on the parameters' device (float32; float64 for float64
+  parameters), which schedulers ``fill_``;
 - on the CPU emulator, torch's device check for capturable optimizers accepts CPU tensors.
 
 Optimizers that cannot be made capture-safe (torch_npu's ``NpuFused*``, unknown classes) are refused with
@@ -152,8 +153,13 @@ def _plain_settings(group: Dict[str, Any]) -> Dict[str, Any]:
 
 
 def plain_lr(lr: torch.Tensor) -> float:
-    """The shortest decimal whose float32 is ``lr``: 1e-3 as the user wrote it, not 0.0010000000474974513."""
+    """The shortest decimal whose float32 is ``lr``: 1e-3 as the user wrote it, not 0.0010000000474974513.
+
+    A float64 ``lr`` (``precision="64-true"``) is a Python float already: its value, exactly.
+    """
     value = lr.item()
+    if lr.dtype != torch.float32:
+        return value
     for digits in range(1, 10):  # 9 significant digits tell every float32 apart
         shortest = float(f"{value:.{digits}g}")
         if struct.unpack("f", struct.pack("f", shortest))[0] == value:
@@ -255,6 +261,13 @@ def _retarget_scheduler_wrapper(opt: Optimizer) -> None:
     opt.step = step  # type: ignore[method-assign]
 
 
+def _lr_dtype(group: Dict[str, Any]) -> torch.dtype:
+    # float32 holds the lr of float32, bf16 and fp16 parameters as their own update arithmetic does; float64
+    # parameters (precision="64-true") update in float64, so their lr must not be rounded to float32.
+    params = group["params"]
+    return torch.float64 if params and all(p.dtype == torch.float64 for p in params) else torch.float32
+
+
 def make_capturable(optimizer: Any, device: Optional[torch.device] = None) -> Any:
     """Make ``optimizer.step()`` safe to capture, in place, keeping its state; returns the optimizer.
 
@@ -274,8 +287,9 @@ def make_capturable(optimizer: Any, device: Optional[torch.device] = None) -> An
             group["capturable"] = True
             group["foreach"] = True  # the single-tensor paths of some classes still read a tensor lr on the host
         lr = group["lr"]
-        group["lr"] = (lr.detach().to(target, torch.float32) if isinstance(lr, torch.Tensor)
-                       else torch.tensor(float(lr), dtype=torch.float32, device=target)).reshape(())
+        dtype = _lr_dtype(group)
+        group["lr"] = (lr.detach().to(target, dtype) if isinstance(lr, torch.Tensor)
+                       else torch.tensor(float(lr), dtype=dtype, device=target)).reshape(())
         for p in group["params"]:
             step = opt.state.get(p, {}).get("step")
             if isinstance(step, torch.Tensor) and isinstance(opt, _CAPTURABLE_FLAG):

@@ -1,0 +1,196 @@
+"""Checks around a whole-step capture: what the captured step must not do, and what the graph bakes in.
+
+A captured step replays its device work on the tensors it saw at capture, with the host values it read
+then. So at capture, tensor attributes the step rebinds (``self.ema = ...``, torchmetrics states) are put
+back and refused, host reads of ``global_step``/``current_epoch`` and Python values in the step's outputs
+are warned about; before each replay, :class:`BakedSetup` finds what changed since capture (param-group
+settings, train/eval flags, ``requires_grad``, and at each epoch's first batch parameters, buffers and
+hooks), so that the step is captured again instead of replaying a stale setup.
+"""
+from __future__ import annotations
+
+import contextlib
+import sys
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
+
+import lightning.pytorch as pl
+import torch
+from torch.utils._pytree import tree_flatten
+
+from ..graphed import GraphCaptureError
+from ..graphed.user_code import user_frame
+
+
+# Tensor attributes a captured step could rebind ------------------------------------------------------
+# (module path, module, "_buffers" or "__dict__", attribute, tensor or list, the list's items or None)
+_Binding = Tuple[str, torch.nn.Module, str, str, Any, Optional[tuple]]
+
+
+def _recomputed_by_hooks(module: torch.nn.Module) -> set:
+    """Attributes a forward pre-hook sets from parameters on every call (torch.nn.utils.prune, weight_norm,
+    spectral_norm): rebinding them inside the step is how they work, and the graph recomputes them."""
+    names = set()
+    for hook in module._forward_pre_hooks.values():
+        names.update(n for n in (getattr(hook, "_tensor_name", None), getattr(hook, "name", None))
+                     if isinstance(n, str))
+    return names
+
+
+def tensor_bindings(root: torch.nn.Module) -> List[_Binding]:
+    """Every buffer, tensor attribute and list-of-tensors attribute of ``root`` and its submodules."""
+    bindings = []
+    for path, module in root.named_modules():
+        skip = _recomputed_by_hooks(module) if module._forward_pre_hooks else ()
+        for where in ("_buffers", "__dict__"):
+            for attr, value in getattr(module, where).items():
+                if attr in skip:
+                    continue
+                if isinstance(value, list) and all(isinstance(v, torch.Tensor) for v in value):
+                    bindings.append((path, module, where, attr, value, tuple(value)))
+                elif isinstance(value, torch.Tensor):
+                    bindings.append((path, module, where, attr, value, None))
+    return bindings
+
+
+def restore_rebound(bindings: List[_Binding]) -> List[str]:
+    """Put back the bindings the captured code changed; returns their names (``path.attr``)."""
+    rebound = []
+    for path, module, where, attr, value, items in bindings:
+        now = getattr(module, where).get(attr)
+        if now is value and (items is None or (len(now) == len(items) and all(a is b for a, b in zip(now, items)))):
+            continue
+        rebound.append(f"{path}.{attr}" if path else attr)
+        getattr(module, where)[attr] = value
+        if items is not None:
+            value[:] = items
+    return rebound
+
+
+def rebinding_error(root: torch.nn.Module, names: List[str]) -> GraphCaptureError:
+    owners = [root.get_submodule(name.rpartition(".")[0]) for name in names]
+    metrics = sorted({type(m).__name__ for m in owners if type(m).__module__.startswith("torchmetrics")})
+    metric_fix = (f" {', '.join(metrics)} (torchmetrics) rebinds its states in update() and forward(): call "
+                  "metric.update(...) and self.log(name, metric) in on_train_batch_end, with the outputs "
+                  "training_step returns." if metrics else "")
+    shown = ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
+    return GraphCaptureError(
+        f"training_step replaces the tensor attribute(s) {shown} (e.g. self.ema = 0.9 * self.ema + ..., or "
+        "appends to a list of tensors): a graph replays on the tensors it saw at capture, so every replay would "
+        "read the old tensor and write into one the module no longer holds. Update such state in place (e.g. "
+        "self.ema.mul_(0.9).add_(loss.detach(), alpha=0.1)), or outside training_step (e.g. in "
+        f"on_train_batch_end, from the outputs training_step returns).{metric_fix} The bindings are left as "
+        "before the capture", module_name="training_step")
+
+
+_HOST_COUNTERS = ("global_step", "current_epoch")
+
+
+@contextlib.contextmanager
+def watch_host_counters(on_read: Callable[[str, Any], None]) -> Iterator[None]:
+    """Call ``on_read(name, value)`` when user code reads ``self.global_step``/``self.current_epoch`` of a
+    LightningModule; for the capture only (the properties are swapped on the class, then restored)."""
+    originals = {name: pl.LightningModule.__dict__[name] for name in _HOST_COUNTERS}
+
+    def watched(name: str, prop: property) -> property:
+        def read(module: "pl.LightningModule") -> Any:
+            value = prop.fget(module)
+            if user_frame() is sys._getframe(1):  # read by the user's code, not by Lightning's
+                on_read(name, value)
+            return value
+        return property(read, doc=prop.__doc__)
+
+    for name, prop in originals.items():
+        setattr(pl.LightningModule, name, watched(name, prop))
+    try:
+        yield
+    finally:
+        for name, prop in originals.items():
+            setattr(pl.LightningModule, name, prop)
+
+
+def python_outputs(result: Dict[str, Any]) -> List[str]:
+    """Keys of the step's outputs that hold non-tensor values (the capture step's, on every replay)."""
+    return [key for key, value in result.items()
+            if any(not isinstance(leaf, torch.Tensor) for leaf in tree_flatten(value)[0] if leaf is not None)]
+
+
+def _group_settings(groups: List[Dict[str, Any]]) -> List[tuple]:
+    """Per param group: its settings (a tensor by identity: its value is read on the device) and size."""
+    return [tuple(id(v) if isinstance(v, torch.Tensor) else v for k, v in group.items() if k != "params")
+            + (len(group["params"]),) for group in groups]
+
+
+def _structure(root: torch.nn.Module) -> List[tuple]:
+    """Per module: its parameters and buffers (by identity) and how many hooks it has."""
+    return [(id(m), tuple(map(id, m._parameters.values())), tuple(map(id, m._buffers.values())),
+             len(m._forward_pre_hooks), len(m._forward_hooks), len(m._backward_hooks),
+             len(m._backward_pre_hooks)) for m in root.modules()]
+
+
+def _changed_setting(before: List[Dict[str, Any]], groups: List[Dict[str, Any]]) -> Tuple[int, str]:
+    for i, (old, group) in enumerate(zip(before, groups)):
+        for key, value in group.items():
+            previous = old.get(key, old)  # the dict itself: a key that was not there
+            if key != "params" and previous is not value and (
+                    isinstance(value, torch.Tensor) or isinstance(previous, torch.Tensor) or previous != value):
+                return i, key
+    return 0, "params"
+
+
+class BakedSetup:
+    """What a captured step bakes in, remembered at capture and compared before each replay."""
+
+    def __init__(self) -> None:
+        self._lrs: List[Any] = []  # per param group: the lr tensor the graph reads (or the float it froze)
+        self._settings: List[tuple] = []
+        self._settings_dicts: List[Dict[str, Any]] = []
+        self._flagged_modules: List[torch.nn.Module] = []
+        self._training: List[bool] = []
+        self._params: List[torch.Tensor] = []
+        self._requires_grad: List[bool] = []
+        self._structure: List[tuple] = []
+
+    def track_lrs(self, groups: List[Dict[str, Any]]) -> None:
+        """The lr tensors that eager steps and the coming capture read (after the optimizer's conversion)."""
+        self._lrs = [group["lr"] for group in groups]
+
+    def adopt_lrs(self, groups: List[Dict[str, Any]]) -> None:
+        """Put the lr tensors the optimizer step reads back into the param groups, with the values user code
+        assigned (``group["lr"] = 1e-3`` in a hook, a timm-style scheduler): manual schedules keep working."""
+        for group, kept in zip(groups, self._lrs):
+            lr = group["lr"]
+            if lr is not kept and isinstance(kept, torch.Tensor):
+                with torch.no_grad():
+                    kept.copy_(lr) if isinstance(lr, torch.Tensor) else kept.fill_(lr)
+                group["lr"] = kept
+        if len(groups) != len(self._lrs):  # add_param_group: a setup change, found by change()
+            self._lrs = [group["lr"] for group in groups]
+
+    def remember(self, module: "pl.LightningModule", groups: List[Dict[str, Any]]) -> None:
+        """Note the setup as the graph just captured it."""
+        self._lrs = [group["lr"] for group in groups]
+        self._settings = _group_settings(groups)
+        self._settings_dicts = [{k: v for k, v in group.items() if k != "params"} for group in groups]
+        self._flagged_modules = list(module.modules())
+        self._training = [m.training for m in self._flagged_modules]
+        self._params = list(module.parameters())
+        self._requires_grad = [p.requires_grad for p in self._params]
+        self._structure = _structure(module)
+
+    def change(self, module: "pl.LightningModule", groups: List[Dict[str, Any]],
+               batch_idx: int) -> Optional[Tuple[str, str]]:
+        """(kind, description) of what changed since capture that the graph baked in, or None. Param groups,
+        train/eval flags and requires_grad are checked every step (a few µs); parameters, buffers and hooks at
+        each epoch's first batch (where callbacks such as ModelPruning change them)."""
+        if _group_settings(groups) != self._settings:
+            if len(groups) != len(self._settings_dicts):
+                return "groups", "the optimizer's param groups were added or removed"
+            index, key = _changed_setting(self._settings_dicts, groups)
+            return f"setting {key}", f"param group {index}'s {key!r} changed"
+        if [m.training for m in self._flagged_modules] != self._training:
+            return "mode", "modules were switched between train() and eval()"
+        if [p.requires_grad for p in self._params] != self._requires_grad:
+            return "requires_grad", "requires_grad of parameters changed (frozen or unfrozen)"
+        if batch_idx == 0 and _structure(module) != self._structure:
+            return "structure", "the modules' parameters, buffers or hooks changed (e.g. pruning)"
+        return None
