@@ -411,3 +411,10 @@ def test_graph_basics_example_on_missing_npu_is_one_line():
                          text=True, env=env)
     assert out.returncode != 0
     assert out.stderr.strip().count("\n") == 0 and "torch_npu is not installed" in out.stderr
+
+
+def test_warnings_at_user_code_run_from_python_c():
+    # code run by `python -c` (or from stdin) has a loader that cannot give source lines
+    code = "from npugraph_train.graphed.user_code import warn_at_user_code; warn_at_user_code('at the user line')"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and "<string>:1: RuntimeWarning: at the user line" in done.stderr, done.stderr

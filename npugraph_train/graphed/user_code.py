@@ -45,7 +45,8 @@ def warn_at_user_code(message: str, category: Type[Warning] = RuntimeWarning) ->
         warnings.warn(message, category, stacklevel=2)
         return
     module_globals = frame.f_globals
+    # No module_globals: with them, warnings asks the module's loader for the source line, and the loader of
+    # code run from stdin or `python -c` (BuiltinImporter) raises ImportError instead of answering.
     warnings.warn_explicit(message, category, frame.f_code.co_filename, frame.f_lineno,
                            module=module_globals.get("__name__"),
-                           registry=module_globals.setdefault("__warningregistry__", {}),
-                           module_globals=module_globals)
+                           registry=module_globals.setdefault("__warningregistry__", {}))
