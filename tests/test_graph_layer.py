@@ -145,6 +145,9 @@ def test_rng_state_reads_during_capture_are_refused_as_on_cuda():
     with pytest.raises(GraphCaptureError, match=r"get_rng_state\(\) during graph capture at .*preserve_rng_state"):
         with ng.graph(ng.Graph()):
             checkpoint(layer, x, use_reentrant=False).sum().backward()
+    with pytest.raises(GraphCaptureError, match=r"manual_seed\(\) during graph capture"):
+        with ng.graph(ng.Graph()):
+            torch.manual_seed(1)
     assert torch.get_rng_state().shape, "the guard is gone after capture"
     layer = layer[0]  # no random numbers: checkpointing without saving the RNG state captures
     g = ng.Graph()

@@ -15,9 +15,10 @@ What it models, as a device graph behaves:
   created by the capture are filled with NaN (reading an output before the first replay shows up),
   and torch's CPU RNG state is restored (capture draws no random numbers).
 - Random ops draw new numbers on every replay, from torch's CPU generator. Reading or setting that
-  generator's state during capture (``torch.get_rng_state``, ``set_rng_state``, ``fork_rng``; activation
-  checkpointing does so unless ``preserve_rng_state=False``) raises ``GraphCaptureError``, as CUDA's
-  "Cannot call CUDAGeneratorImpl::current_seed during CUDA graph capture" does.
+  generator's state during capture (``torch.get_rng_state``, ``set_rng_state``, ``fork_rng``,
+  ``manual_seed``, ``seed``; activation checkpointing reads it unless ``preserve_rng_state=False``) raises
+  ``GraphCaptureError``, as CUDA's "Cannot call CUDAGeneratorImpl::current_seed during CUDA graph
+  capture" does.
 - Ops that make the host wait for device data (``.item()``, ``.tolist()``, ``.numpy()``, ``.cpu()``,
   ``bool(t)``, printing a tensor, ``nonzero``, ``torch.equal``, ops with data-dependent output shapes,
   ``synchronize()``) raise ``GraphCaptureError``
@@ -86,18 +87,23 @@ def _refuse_rng_state_during_capture(original: Callable) -> Callable:
                 "Activation checkpointing does this to replay dropout: pass preserve_rng_state=False where the "
                 "checkpointed code draws no random numbers, or checkpoint outside the captured region")
         return original(*args, **kwargs)
-    guarded.original = original  # type: ignore[attr-defined]
     return guarded
+
+
+# torch's functions over the default generator whose CUDA twins assert that no capture is underway.
+_RNG_STATE_FUNCTIONS = ("get_rng_state", "set_rng_state", "manual_seed", "seed")
 
 
 @contextmanager
 def _rng_state_guard() -> Iterator[None]:
-    originals = torch.get_rng_state, torch.set_rng_state
-    torch.get_rng_state, torch.set_rng_state = (_refuse_rng_state_during_capture(f) for f in originals)
+    originals = {name: getattr(torch, name) for name in _RNG_STATE_FUNCTIONS}
+    for name, original in originals.items():
+        setattr(torch, name, _refuse_rng_state_during_capture(original))
     try:
         yield
     finally:
-        torch.get_rng_state, torch.set_rng_state = originals
+        for name, original in originals.items():
+            setattr(torch, name, original)
 
 
 class EmulatedStream:
