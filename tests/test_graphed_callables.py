@@ -446,6 +446,17 @@ class TestUserPatterns:
         assert len(report["signatures"]) == 2 and report["signatures"][1]["replays"] == 1
         assert list(report["eager_calls"].values()) == [1]
 
+    def test_hook_added_to_a_submodule_after_capture_runs_eager(self):
+        model = ng.make_graphed_callables(nn.Sequential(nn.Linear(4, 4), nn.Tanh()), (torch.zeros(3, 4),))
+        seen = []
+        handle = model[1].register_forward_hook(lambda module, args, out: seen.append(out.detach()))
+        with pytest.warns(RuntimeWarning, match="a hook was added to its submodule 1 after capture"):
+            out = model(torch.randn(3, 4))
+        assert len(seen) == 1 and torch.equal(seen[0], out.detach()), "the hook ran"
+        handle.remove()
+        model(torch.randn(3, 4))
+        assert ng.graphed_state(model).report()["replays"] == 1, "graphed again once the hook is gone"
+
     def test_graphing_around_a_graphed_module_names_it(self):
         outer = nn.Sequential(nn.Linear(4, 4), nn.Sequential(nn.Linear(4, 4), nn.Tanh()))
         ng.make_graphed_callables(outer[1], (torch.zeros(3, 4),))

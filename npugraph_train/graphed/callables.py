@@ -338,6 +338,8 @@ class GraphedCallable:
         self._pending_update: Any = None
         self.is_module = isinstance(func, nn.Module)
         self.params: Tuple[torch.Tensor, ...] = tuple(func.parameters()) if self.is_module else ()
+        # Hooks of the module itself run around the graphed forward; those of its submodules would not.
+        self.submodules = list(func.modules())[1:] if self.is_module else []
         self.param_flags = self.current_param_flags()
         self.training = func.training if self.is_module else None
         self.signatures: Dict[tuple, _CapturedSignature] = {}
@@ -362,6 +364,10 @@ class GraphedCallable:
             return self.call_original(*args, **kwargs)
         if self.is_module and self.func.training != self.training:
             return self._eager(_MODE_DIFFERS, args, kwargs)
+        hooked = self._hooked_submodule()
+        if hooked is not None:
+            return self._eager(f"a hook was added to its submodule {hooked} after capture (a replay runs no "
+                               "Python, so the hook would not run); ungraph, add hooks, then graph again", args, kwargs)
         flat, spec = _flatten_call(args, kwargs)
         flags = self.current_param_flags()
         if flags != self.param_flags:
@@ -393,6 +399,12 @@ class GraphedCallable:
             raise GraphStateError(f"{self.name}: update() needs make_graphed_callables(..., "
                                   "auto_dispatch_capture=True)")
         self._pending_update = cpu_update_input
+
+    def _hooked_submodule(self) -> Optional[str]:
+        for sub in self.submodules:
+            if sub._forward_hooks or sub._forward_pre_hooks or sub._backward_hooks or sub._backward_pre_hooks:
+                return next(name for name, m in self.func.named_modules() if m is sub)
+        return None
 
     def _why_not_capture(self, key: tuple, flat: List[Any]) -> str:
         if len(self.signatures) >= self.max_signatures:
