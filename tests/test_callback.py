@@ -363,3 +363,36 @@ def test_the_training_call_is_captured_not_an_earlier_no_grad_call():
     row = callback.report()[0]
     assert row["signatures"][0]["description"] == "(float32[8, 8]*)", "the input of the call that trains"
     assert row["replays"] == 9  # 12 steps: 2 warmup, one short batch
+
+
+@ngt.graph_safe
+class SelfAttention(nn.Module):
+    def __init__(self, width):
+        super().__init__()
+        self.attn = nn.MultiheadAttention(width, 2, batch_first=True)
+
+    def forward(self, q, k, v):
+        return self.attn(q, k, v, need_weights=False)[0]
+
+
+class Attends(Regressor):
+    def __init__(self):
+        super().__init__()
+        self.mix = SelfAttention(8)
+
+    def forward(self, x):
+        h = self.embed(x).unsqueeze(1).expand(-1, 3, -1)
+        return self.head(self.mix(h, h, h).mean(1))
+
+
+def test_self_attention_called_with_one_tensor_three_times():
+    def run(callbacks):
+        torch.manual_seed(0)
+        model = Attends()
+        trainer(callbacks, max_steps=12).fit(model, *loaders())
+        return model
+
+    callback = NPUGraphCallback(warmup_steps=2, modules_only=True, modules=["mix"])
+    eager, graphed = run([]), run([callback])
+    assert _same_params(eager, graphed)
+    assert callback.report()[0]["replays"] == 9  # 12 steps: 2 warmup, one short batch

@@ -387,12 +387,59 @@ class TestUserPatterns:
             return model
 
         eager = train(False)
-        with pytest.warns(RuntimeWarning, match="2 parameters changed requires_grad since capture"):
+        with pytest.warns(RuntimeWarning, match="2 parameters require grad now and did not at capture"):
             graphed = train(True)
         _assert_same_state(eager, graphed)
         report = ng.graphed_state(graphed).report()
         assert [s["replays"] for s in report["signatures"]] == [2, 3] and not report["eager_calls"]
         assert report["signatures"][0]["description"].endswith("2 frozen parameters")
+
+    def test_freezing_reuses_the_graphs(self):
+        # Lightning's toggle_optimizer freezes the other model of a GAN on every step
+        def train(graphed):
+            torch.manual_seed(0)
+            critic, head = nn.Sequential(nn.Linear(4, 4), nn.Tanh()), nn.Linear(4, 1)
+            if graphed:
+                ng.make_graphed_callables(critic, (torch.zeros(3, 4, requires_grad=True),))
+            torch.manual_seed(1)
+            for step in range(6):
+                critic.requires_grad_(step % 2 == 0)
+                head(critic(torch.randn(3, 4, requires_grad=True))).sum().backward()
+            if graphed:
+                assert [(s["replays"], s["captures"]) for s in ng.graphed_state(critic).report()["signatures"]] == [
+                    (6, 1)], "one capture serves both settings"
+            return [p.grad for p in (*critic.parameters(), *head.parameters())]
+
+        assert all(torch.equal(a, b) for a, b in zip(train(False), train(True)))
+
+    def test_frozen_module_outputs_survive_the_next_call(self):
+        target = ng.make_graphed_callables(nn.Linear(4, 4), (torch.zeros(3, 4),)).requires_grad_(False)
+        first = target(torch.ones(3, 4))  # grad mode, but nothing requires grad: no backward follows
+        kept = first.clone()
+        target(torch.zeros(3, 4))
+        assert torch.equal(first, kept)
+
+    def test_unfreezing_while_a_backward_is_pending_runs_eager(self):
+        def grads(graphed):
+            torch.manual_seed(0)
+            model = nn.Sequential(nn.Linear(4, 4), nn.Tanh())
+            model[0].bias.requires_grad_(False)
+            if graphed:
+                ng.make_graphed_callables(model, (torch.zeros(3, 4),))
+            first = model(torch.ones(3, 4))
+            model[0].bias.requires_grad_(True)
+            second = model(torch.full((3, 4), 2.0))
+            (first.sum() + second.sum()).backward()
+            return [p.grad for p in model.parameters()]
+
+        assert all(torch.equal(a, b) for a, b in zip(grads(False), grads(True)))
+
+    def test_backward_after_ungraph_is_refused(self):
+        model = ng.make_graphed_callables(nn.Linear(4, 4), (torch.zeros(3, 4),), names=["head"])
+        out = model(torch.randn(3, 4)).sum()
+        ng.ungraph(model)
+        with pytest.raises(ng.GraphStateError, match="head: backward of a call made before its graphs were released"):
+            out.backward()
 
     def test_double_backward_is_refused(self):
         critic = ng.make_graphed_callables(nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1)),

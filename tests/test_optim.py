@@ -4,7 +4,8 @@ import torch.nn as nn
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 import npugraph_train.graphed as ng
-from npugraph_train.optim import CapturableOptimizer, check_capture_safe, clip_grad_norm_, make_capturable, plain_lr
+from npugraph_train.optim import (CapturableOptimizer, check_capture_safe, clip_grad_norm_, make_capturable, plain_lr,
+                                  plain_scheduler_state)
 
 
 def _model():
@@ -211,3 +212,22 @@ def test_float64_parameters_get_a_float64_lr_written_back_exactly():
     assert lr.dtype == torch.float64 and lr.item() == written, "not rounded to float32"
     assert plain_lr(lr) == written and opt.state_dict()["param_groups"][0]["lr"] == written
     assert make_capturable(torch.optim.SGD(_model().parameters(), lr=0.1)).param_groups[0]["lr"].dtype == torch.float32
+
+
+def test_scheduler_states_become_plain_also_when_chained():
+    from torch.optim.lr_scheduler import CosineAnnealingLR, LinearLR, SequentialLR
+
+    model = _model()
+    params = list(model.parameters())
+    opt = torch.optim.AdamW([{"params": params[:1]}, {"params": params[1:], "lr": torch.tensor(0.5)}], lr=1e-3,
+                            capturable=True)
+    make_capturable(opt)  # the second group's lr was the user's tensor
+    scheduler = SequentialLR(opt, [LinearLR(opt, 0.5, total_iters=2), CosineAnnealingLR(opt, 4)], milestones=[2])
+    for _ in range(3):
+        opt.step()
+        scheduler.step()
+    state = plain_scheduler_state(scheduler, scheduler.state_dict())
+    for part in [state] + state["_schedulers"]:
+        first, second = zip(*(part[key] for key in ("base_lrs", "_last_lr") if key in part))
+        assert all(type(lr) is float for lr in first) and all(isinstance(lr, torch.Tensor) for lr in second)
+    assert state["_schedulers"][0]["base_lrs"][0] == 1e-3

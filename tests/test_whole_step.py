@@ -478,14 +478,16 @@ class RebindsState(Scheduled):
         super().__init__(**kwargs)
         self.kind = kind
         self.register_buffer("ema", torch.zeros(()))
-        self.losses = []
+        self.losses, self.notes = [], []
 
     def training_step(self, batch, batch_idx):
         loss = super().training_step(batch, batch_idx)
         if self.kind == "buffer":
             self.ema = 0.9 * self.ema + 0.1 * loss.detach()
-        else:
+        elif self.kind == "list":
             self.losses.append(loss.detach())
+        else:
+            self.notes.append("a Python value")  # frozen like all Python in the step, but not tensor state
         return loss
 
 
@@ -498,6 +500,13 @@ def test_rebinding_tensor_attributes_in_training_step_is_refused(kind, name):
         trainer([NPUGraphCallback(mode="whole_step")], max_steps=6).fit(model, *loaders())
     # the bindings before the capture are back: the buffer holds 3 warmup steps' average, the list 3 losses
     assert model.ema.isfinite().all() and (model.ema != 0 if kind == "buffer" else len(model.losses) == 3)
+
+
+def test_python_values_appended_to_an_empty_list_are_not_tensor_state():
+    torch.manual_seed(0)
+    callback = NPUGraphCallback(mode="whole_step")
+    trainer([callback], max_steps=6).fit(RebindsState("notes"), *loaders())
+    assert callback.report()[0]["replays"] == 3
 
 
 def test_rebinding_with_on_failure_eager_runs_eager_like_plain_lightning():

@@ -28,8 +28,9 @@ def format_report(rows: List[Dict[str, Any]], mode: str, backend: str) -> str:
         else:  # a capture error: on a line of its own
             lines += [f"  {row['module']}: {counts}", f"    status: {status}"]
         for sig in row["signatures"]:
+            times = f" ({sig['captures']} captures)" if sig.get("captures", 1) > 1 else ""
             lines.append(f"    signature {sig['description']}: replays {sig['replays']}, "
-                         f"capture {sig['capture_seconds'] * 1e3:.1f} ms, pool {_bytes(sig['pool_bytes'])}")
+                         f"capture {sig['capture_seconds'] * 1e3:.1f} ms{times}, pool {_bytes(sig['pool_bytes'])}")
         for reason, count in row["eager_calls"].items():
             lines.append(f"    eager x{count}: {reason}")
     if any("*" in sig["description"] for row in rows for sig in row["signatures"]):

@@ -18,6 +18,7 @@ import torch
 from torch.utils._pytree import tree_flatten
 
 from ..graphed import GraphCaptureError
+from ..graphed.callables import MODULE_HOOK_KINDS
 from ..graphed.user_code import user_frame
 
 
@@ -52,12 +53,20 @@ def tensor_bindings(root: torch.nn.Module) -> List[_Binding]:
     return bindings
 
 
+def _list_changed(now: Any, items: tuple) -> bool:
+    # A list of tensors that lost or swapped tensors, or gained one (Python values appended to an empty
+    # list, such as Lightning's own _fabric_optimizers, are not tensor state).
+    if len(now) < len(items) or any(a is not b for a, b in zip(now, items)):
+        return True
+    return any(isinstance(v, torch.Tensor) for v in now[len(items):])
+
+
 def restore_rebound(bindings: List[_Binding]) -> List[str]:
     """Put back the bindings the captured code changed; returns their names (``path.attr``)."""
     rebound = []
     for path, module, where, attr, value, items in bindings:
         now = getattr(module, where).get(attr)
-        if now is value and (items is None or (len(now) == len(items) and all(a is b for a, b in zip(now, items)))):
+        if now is value and (items is None or not _list_changed(now, items)):
             continue
         rebound.append(f"{path}.{attr}" if path else attr)
         getattr(module, where)[attr] = value
@@ -66,9 +75,15 @@ def restore_rebound(bindings: List[_Binding]) -> List[str]:
     return rebound
 
 
+def is_metric(value: Any) -> bool:
+    """A torchmetrics-style metric object: its update() rebinds state tensors, its compute() reads them."""
+    return type(value).__module__.startswith("torchmetrics") or (
+        callable(getattr(value, "update", None)) and callable(getattr(value, "compute", None)))
+
+
 def rebinding_error(root: torch.nn.Module, names: List[str]) -> GraphCaptureError:
     owners = [root.get_submodule(name.rpartition(".")[0]) for name in names]
-    metrics = sorted({type(m).__name__ for m in owners if type(m).__module__.startswith("torchmetrics")})
+    metrics = sorted({type(m).__name__ for m in owners if is_metric(m)})
     metric_fix = (f" {', '.join(metrics)} (torchmetrics) rebinds its states in update() and forward(): call "
                   "metric.update(...) and self.log(name, metric) in on_train_batch_end, with the outputs "
                   "training_step returns." if metrics else "")
@@ -122,9 +137,8 @@ def _group_settings(groups: List[Dict[str, Any]]) -> List[tuple]:
 
 def _structure(root: torch.nn.Module) -> List[tuple]:
     """Per module: its parameters and buffers (by identity) and how many hooks it has."""
-    return [(id(m), tuple(map(id, m._parameters.values())), tuple(map(id, m._buffers.values())),
-             len(m._forward_pre_hooks), len(m._forward_hooks), len(m._backward_hooks),
-             len(m._backward_pre_hooks)) for m in root.modules()]
+    return [(id(m), tuple(map(id, m._parameters.values())), tuple(map(id, m._buffers.values())))
+            + tuple(len(getattr(m, kind)) for kind in MODULE_HOOK_KINDS) for m in root.modules()]
 
 
 def _changed_setting(before: List[Dict[str, Any]], groups: List[Dict[str, Any]]) -> Tuple[int, str]:

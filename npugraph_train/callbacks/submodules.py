@@ -51,10 +51,18 @@ def select_modules(model: nn.Module, config: NPUGraphConfig) -> List[Tuple[str, 
     return [(name, named[name]) for name in outermost]
 
 
-def _sample(value: Any) -> Any:
-    if isinstance(value, torch.Tensor):
-        return value.detach().clone().requires_grad_(value.requires_grad)
-    return value
+def _samples(args: tuple, kwargs: dict) -> Tuple[tuple, dict]:
+    """Copies of a call's tensors, one per tensor: a tensor passed as several arguments (q, k, v) stays one."""
+    copies: Dict[int, torch.Tensor] = {}
+
+    def sample(value: Any) -> Any:
+        if not isinstance(value, torch.Tensor):
+            return value
+        if id(value) not in copies:
+            copies[id(value)] = value.detach().clone().requires_grad_(value.requires_grad)
+        return copies[id(value)]
+
+    return tree_map(sample, (args, kwargs))
 
 
 class SubmoduleGrapher:
@@ -111,7 +119,7 @@ class SubmoduleGrapher:
                     return
                 if name in self._samples:
                     self._order.remove(name)
-                self._samples[name] = tree_map(_sample, (args, kwargs))
+                self._samples[name] = _samples(args, kwargs)
                 self._order.append(name)
                 with_grad[name] = grad
             self._hooks.append(module.register_forward_pre_hook(record, with_kwargs=True))

@@ -7,7 +7,7 @@ into static buffers; every later step copies the new batch into those buffers, r
 Lightning's bookkeeping (progress counters, ``self.log`` values from the static tensors, the returned
 loss). A batch of another structure, shape or dtype runs as an ordinary eager step. Per-step host work
 on the replay path is: one ``tree_flatten`` of the batch and a comparison of its leaves, the setup check
-(about 10 µs on the benchmark models), the copies, ``replay()``, five counter increments, the recorded
+(10-15 µs on the benchmark models), the copies, ``replay()``, five counter increments, the recorded
 ``log`` calls and a clone of the step's outputs.
 
 What the graph bakes in is checked before each replay, and what the step must not do is checked at
@@ -39,7 +39,7 @@ from ..graphed.user_code import warn_at_user_code
 from ..optim import check_capture_safe, clip_grad_norm_, make_capturable
 from .batch import (MAX_CAPTURE_DELAY, VALUES_DIFFER, BatchKey, batch_key, describe, ready_to_capture,
                     values_differ)
-from .step_checks import (BakedSetup, python_outputs, rebinding_error, restore_rebound, tensor_bindings,
+from .step_checks import (BakedSetup, is_metric, python_outputs, rebinding_error, restore_rebound, tensor_bindings,
                           watch_host_counters)
 
 # The LightningModule method that maps a batch to the cpu_update_input of its graphs (auto_dispatch_capture).
@@ -61,11 +61,6 @@ def _with_nested(scheduler: Any) -> Iterator[Any]:
         yield from _with_nested(inner)
 
 
-def _is_metric(value: Any) -> bool:
-    return type(value).__module__.startswith("torchmetrics") or (
-        callable(getattr(value, "update", None)) and callable(getattr(value, "compute", None)))
-
-
 class _LogRecorder:
     """Stands in for ``LightningModule.log`` during capture; the calls are replayed after every replay."""
 
@@ -76,7 +71,7 @@ class _LogRecorder:
 
     def __call__(self, name: str, value: Any, *args: Any, **kwargs: Any) -> None:
         fx = self.module._current_fx_name
-        if not isinstance(value, torch.Tensor) and _is_metric(value):
+        if not isinstance(value, torch.Tensor) and is_metric(value):
             # Updating a metric inside the step would rebind its states (refused at capture): point past that.
             raise MisconfigurationException(
                 f"whole_step: {fx} logs {name!r} as a {type(value).__name__} metric object, whose update and "
@@ -368,8 +363,7 @@ class WholeStepGrapher:
             row["capture_seconds"] += c["capture_seconds"]
             row["captures"] += 1
             if c["reason"]:
-                times = f" x{row['captures']}" if row["captures"] > 1 else ""
-                row["description"] = f"{c['description']} recaptured{times}: {c['reason']}"
+                row["description"] = f"{c['description']} recaptured: {c['reason']}"
         return [{"module": "training_step", "status": self.status, "signatures": list(rows.values()),
                  "replays": self.replays, "captures": len(self.captures), "eager_calls": dict(self.eager_steps)}]
 

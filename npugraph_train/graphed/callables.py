@@ -20,7 +20,9 @@ and safer than both:
 - sample tensors are copied: one tensor passed as several arguments (``q, k, v = x, x, x``) or to
   several callables gets each of its gradients once;
 - outputs that do not require grad come back without a graph history, and ``None`` outputs are kept;
-- a parameter frozen or unfrozen after capture recaptures the module (its gradients change);
+- calls where nothing requires grad return copies, like ``no_grad`` calls;
+- a parameter that gains ``requires_grad`` after capture (unfrozen) recaptures the module; freezing keeps
+  the graphs (autograd drops the gradients of frozen parameters);
 - double backward (``create_graph=True``) and a second backward after another call are refused
   instead of computing wrong gradients;
 - errors name the module; :func:`ungraph` restores the original forward; ``state_dict`` keys are
@@ -39,6 +41,7 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tupl
 import torch
 import torch.nn as nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
+from torch.utils.hooks import RemovableHandle
 
 from .backends import Backend, get_backend
 from .errors import GraphCaptureError, GraphStateError
@@ -46,6 +49,8 @@ from .graphs import Graph, graph
 from .user_code import warn_at_user_code
 
 _batch_ids = itertools.count()
+# A module's hook dicts; hooks inside a graphed module would run once, at capture.
+MODULE_HOOK_KINDS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
 _MODE_DIFFERS = "train/eval mode differs from capture (validation and test run eager by design)"
 
 
@@ -111,16 +116,26 @@ def _describe(signature: tuple) -> str:
             + (", one tensor passed as several arguments" if signature[4] else ""))
 
 
-def _requires_grad_hint(key: tuple, captured: Iterable[tuple]) -> str:
+def _difference_hint(key: tuple, captured: Iterable[tuple]) -> str:
     def without_grad(signature: tuple) -> tuple:
         return signature[0], tuple(leaf[:3] if len(leaf) == 4 else leaf for leaf in signature[1]), signature[2:]
 
+    captured = list(captured)
     if any(without_grad(key) == without_grad(other) for other in captured):
         return "; it differs from a captured one only in which inputs require grad (marked *)"
+    if any(key[:4] == other[:4] for other in captured):
+        return ("; it differs from a captured one only in which arguments are one tensor (pass the same tensor "
+                "objects in the same places as at capture)")
     return ""
 
 
-# The spec of a call with N positional tensors: pytree's flatten costs ~15 us per call, most of a replay's
+def _within(flags: Tuple[bool, ...], captured: Tuple[bool, ...]) -> bool:
+    """Every parameter that requires grad now did at capture: the graphs serve (autograd drops the gradients
+    returned for the others), as when Lightning's toggle_optimizer freezes one model of a GAN per step."""
+    return all(was or not now for now, was in zip(flags, captured))
+
+
+# The spec of a call with N positional tensors: pytree's flatten costs 7-15 us per call, much of a replay's
 # host work for a module taking tensors only.
 _TENSORS_ONLY_SPECS: Dict[int, Any] = {}
 
@@ -172,6 +187,7 @@ class SignatureStats:
     replays: int = 0
     capture_seconds: float = 0.0
     pool_bytes: Optional[int] = None
+    captures: int = 1
 
 
 class _CapturedSignature:
@@ -192,6 +208,7 @@ class _CapturedSignature:
         self.output_spec: Any = None
         self.none_outputs: Tuple[int, ...] = ()  # positions of None among the flat outputs
         self.replays = 0  # forward replays: a backward must follow the replay whose activations it reads
+        self.released = False
         self.static_grad_outputs: Tuple[Optional[torch.Tensor], ...] = ()
         self.static_grad_inputs: Tuple[Optional[torch.Tensor], ...] = ()
         self.function: Any = None
@@ -272,6 +289,10 @@ class _CapturedSignature:
                         f"{name}: backward with create_graph=True (double backward, e.g. a gradient penalty) "
                         "reached its graphs, which replay a first-order backward; keep it eager for that "
                         f"computation (npugraph_train.graphed.ungraph, or leave {name} out of @graph_safe/modules)")
+                if sig.released:
+                    raise GraphStateError(
+                        f"{name}: backward of a call made before its graphs were released (ungraph, or parameters "
+                        "whose requires_grad changed); run the backward before releasing")
                 if ctx.replay != sig.replays:
                     raise GraphStateError(
                         f"{name}: backward of a call whose activations a later call's replay overwrote "
@@ -294,6 +315,11 @@ class _CapturedSignature:
         self.pool_order.pending.pop(id(self), None)
         self.fwd_graph.reset()
         self.bwd_graph.reset()
+        self.released = True
+
+    def backward_pending(self) -> bool:
+        entry = self.pool_order.pending.get(id(self))
+        return entry is not None and entry[1]() is not None
 
     def update(self, cpu_update_input: Union[List[Dict[str, Any]], Dict[str, List[Dict[str, Any]]]]) -> None:
         per_graph = cpu_update_input if isinstance(cpu_update_input, dict) else {
@@ -303,13 +329,13 @@ class _CapturedSignature:
             if (count is None or count > 0) and phase in per_graph:
                 g.update(per_graph[phase])
 
-    def __call__(self, flat_args: List[Optional[torch.Tensor]]) -> Any:
+    def __call__(self, flat_args: List[Optional[torch.Tensor]], needs_grad: bool) -> Any:
         inputs = _unique_tensors(flat_args)
-        if torch.is_grad_enabled():
+        if needs_grad:
             out = list(self.function.apply(*inputs, *self.owner.params))
         else:
-            # No backward follows: copies, so the next replay (the training call after a stop-gradient
-            # target) cannot overwrite what this call returned.
+            # No backward follows (no_grad, or nothing requires grad): copies, so the next replay (the
+            # training call after a stop-gradient target) cannot overwrite what this call returned.
             self.replay_forward(inputs)
             out = [o.clone() for o in self.static_outputs]
         for position in self.none_outputs:
@@ -340,6 +366,7 @@ class GraphedCallable:
         self.params: Tuple[torch.Tensor, ...] = tuple(func.parameters()) if self.is_module else ()
         # Hooks of the module itself run around the graphed forward; those of its submodules would not.
         self.submodules = list(func.modules())[1:] if self.is_module else []
+        self._hook_handles_seen = -1  # RemovableHandle.next_id at the last scan that found no hook
         self.param_flags = self.current_param_flags()
         self.training = func.training if self.is_module else None
         self.signatures: Dict[tuple, _CapturedSignature] = {}
@@ -370,9 +397,12 @@ class GraphedCallable:
                                "Python, so the hook would not run); ungraph, add hooks, then graph again", args, kwargs)
         flat, spec = _flatten_call(args, kwargs)
         flags = self.current_param_flags()
-        if flags != self.param_flags:
+        if flags != self.param_flags and not _within(flags, self.param_flags):
+            if any(sig.backward_pending() for sig in self.signatures.values()):
+                return self._eager("parameters gained requires_grad while a backward of this module was pending",
+                                   args, kwargs)
             self._drop_signatures_for(flags)
-        key = _signature(spec, flat, self.backend, flags)
+        key = _signature(spec, flat, self.backend, self.param_flags)
         sig = self.signatures.get(key)
         if sig is None:
             why_not = self._why_not_capture(key, flat)
@@ -385,7 +415,9 @@ class GraphedCallable:
         if update is not None:
             sig.update(update)
         self.stats[key].replays += 1
-        return sig(flat)
+        needs_grad = torch.is_grad_enabled() and (any(flags) or any(
+            isinstance(t, torch.Tensor) and t.requires_grad for t in flat))
+        return sig(flat, needs_grad)
 
     def update(self, cpu_update_input: Union[List[Dict[str, Any]], Dict[str, List[Dict[str, Any]]]]) -> None:
         """New host arguments for the updatable ops of the next call's forward and backward graphs.
@@ -401,15 +433,20 @@ class GraphedCallable:
         self._pending_update = cpu_update_input
 
     def _hooked_submodule(self) -> Optional[str]:
+        # Every hook registration takes a handle id: while none was taken since a clean scan, skip the scan.
+        handles = RemovableHandle.next_id
+        if handles == self._hook_handles_seen:
+            return None
         for sub in self.submodules:
-            if sub._forward_hooks or sub._forward_pre_hooks or sub._backward_hooks or sub._backward_pre_hooks:
+            if any(getattr(sub, kind) for kind in MODULE_HOOK_KINDS):
                 return next(name for name, m in self.func.named_modules() if m is sub)
+        self._hook_handles_seen = handles
         return None
 
     def _why_not_capture(self, key: tuple, flat: List[Any]) -> str:
         if len(self.signatures) >= self.max_signatures:
             return (f"signature {_describe(key)} not captured (max_signatures={self.max_signatures} reached)"
-                    f"{_requires_grad_hint(key, self.signatures)}")
+                    f"{_difference_hint(key, self.signatures)}")
         if any(not isinstance(t, torch.Tensor) and not _is_constant(t) for t in flat):
             return f"non-tensor argument in {_describe(key)}"
         if self.backend.is_current_stream_capturing():
@@ -424,11 +461,11 @@ class GraphedCallable:
         return ""
 
     def _drop_signatures_for(self, flags: Tuple[bool, ...]) -> None:
-        # Their backward graphs compute the gradients of the parameters that required grad then: useless now
-        # (a finetuning callback unfroze a backbone), so the next call captures anew.
-        changed = sum(a != b for a, b in zip(flags, self.param_flags))
-        warn_at_user_code(f"npugraph_train: {self.name}: {changed} parameters changed requires_grad since capture; "
-                          "its graphs are captured again for the new setting")
+        # Their backward graphs leave out the parameters that require grad now (a finetuning callback unfroze
+        # a backbone), so the next call captures anew.
+        gained = sum(now and not was for now, was in zip(flags, self.param_flags))
+        warn_at_user_code(f"npugraph_train: {self.name}: {gained} parameters require grad now and did not at "
+                          "capture; its graphs are captured again for the new setting")
         for sig in self.signatures.values():
             sig.release()
         self.signatures.clear()
@@ -522,9 +559,12 @@ def capture_signatures(sigs: Sequence[_CapturedSignature], key_of: Dict[int, tup
         key = key_of[id(s)]
         s.owner.signatures[key] = s
         pool_bytes = [g.pool_bytes() for g in (s.fwd_graph, s.bwd_graph)]
+        earlier = s.owner.stats.get(key)  # captured before, then dropped (requires_grad changed)
         s.owner.stats[key] = SignatureStats(
-            _describe(key), capture_seconds=seconds[id(s)],
-            pool_bytes=None if pool_bytes[0] is None else sum(b or 0 for b in pool_bytes))
+            _describe(key), replays=earlier.replays if earlier else 0,
+            capture_seconds=seconds[id(s)] + (earlier.capture_seconds if earlier else 0.0),
+            pool_bytes=None if pool_bytes[0] is None else sum(b or 0 for b in pool_bytes),
+            captures=earlier.captures + 1 if earlier else 1)
 
 
 class GraphedForward:
@@ -566,8 +606,7 @@ def _check_callable(func: Callable, name: str, args: tuple, kwargs: Dict[str, An
             if sub_name and isinstance(sub.__dict__.get("forward"), GraphedForward):
                 raise GraphStateError(f"{where} is already graphed, inside {name}: graph either the outer module "
                                       f"(after npugraph_train.graphed.ungraph({where})) or the inner one")
-            hooks = [kind for kind in ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks",
-                                       "_backward_pre_hooks") if getattr(sub, kind, None)]
+            hooks = [kind for kind in MODULE_HOOK_KINDS if getattr(sub, kind, None)]
             if hooks:
                 raise refuse(f"{where} has module hooks ({', '.join(h.strip('_') for h in hooks)}); hooks run "
                              "once at capture and never on replay. Remove them before graphing, or leave this "

@@ -167,29 +167,32 @@ def plain_lr(lr: torch.Tensor) -> float:
     return value
 
 
-def _writes_float_lr(optimizer: Any) -> bool:
-    opt = _unwrap(optimizer)
-    return isinstance(opt, CapturableOptimizer) and all(plain["float_lr"] for plain in opt._plain_settings)
+# Where torch's schedulers keep copies of the param groups' learning rates, one per group.
+_SCHEDULER_LR_LISTS = ("base_lrs", "_last_lr")
 
 
 def plain_scheduler_state(scheduler: Any, state: Dict[str, Any]) -> Dict[str, Any]:
     """``scheduler.state_dict()`` as it would be over the plain optimizer: learning rates as floats.
 
-    A scheduler over a converted optimizer keeps copies of its lr tensors (``base_lrs``, ``_last_lr``, those
-    of chained schedulers); restored into a plain optimizer they would become its lr, which torch's foreach
-    step refuses unless capturable. Unchanged when the user's own learning rates were tensors.
+    A scheduler over a converted optimizer keeps copies of its lr tensors (``base_lrs``, ``_last_lr``, also
+    in the states of the schedulers that ``SequentialLR``/``ChainedScheduler`` chain); restored into a plain
+    optimizer they would become its lr, which torch's foreach step refuses unless capturable. Groups whose
+    lr the user made a tensor keep it.
     """
-    if not _writes_float_lr(getattr(scheduler, "optimizer", None)):
+    opt = _unwrap(getattr(scheduler, "optimizer", None))
+    if not isinstance(opt, CapturableOptimizer):
         return state
+    floats = [plain["float_lr"] for plain in opt._plain_settings]
 
-    def plain(value: Any) -> Any:
-        if isinstance(value, torch.Tensor) and value.dim() == 0 and value.is_floating_point():
-            return plain_lr(value)
-        if isinstance(value, dict):
-            return {k: plain(v) for k, v in value.items()}
-        if isinstance(value, (list, tuple)):
-            return type(value)(plain(v) for v in value)
-        return value
+    def plain(state: Dict[str, Any]) -> Dict[str, Any]:
+        state = dict(state)
+        for key in _SCHEDULER_LR_LISTS:
+            if isinstance(state.get(key), list):
+                state[key] = [plain_lr(lr) if isinstance(lr, torch.Tensor) and i < len(floats) and floats[i] else lr
+                              for i, lr in enumerate(state[key])]
+        if isinstance(state.get("_schedulers"), list):
+            state["_schedulers"] = [plain(inner) for inner in state["_schedulers"]]
+        return state
 
     return plain(state)
 
