@@ -350,15 +350,16 @@ class StopGradientTarget(Regressor):
         return nn.functional.mse_loss(pred, target) + nn.functional.mse_loss(pred, y)
 
 
-def test_the_training_call_is_captured_not_an_earlier_no_grad_call():
-    def run(callbacks):
-        torch.manual_seed(0)
-        model = StopGradientTarget()
-        trainer(callbacks, max_steps=12).fit(model, *loaders())
-        return model
+def _fit_new(model_class, callbacks, max_steps=12):
+    torch.manual_seed(0)
+    model = model_class()
+    trainer(callbacks, max_steps=max_steps).fit(model, *loaders())
+    return model
 
+
+def test_the_training_call_is_captured_not_an_earlier_no_grad_call():
     callback = NPUGraphCallback(warmup_steps=2)
-    eager, graphed = run([]), run([callback])
+    eager, graphed = _fit_new(StopGradientTarget, []), _fit_new(StopGradientTarget, [callback])
     assert _same_params(eager, graphed)
     row = callback.report()[0]
     assert row["signatures"][0]["description"] == "(float32[8, 8]*)", "the input of the call that trains"
@@ -386,13 +387,7 @@ class Attends(Regressor):
 
 
 def test_self_attention_called_with_one_tensor_three_times():
-    def run(callbacks):
-        torch.manual_seed(0)
-        model = Attends()
-        trainer(callbacks, max_steps=12).fit(model, *loaders())
-        return model
-
     callback = NPUGraphCallback(warmup_steps=2, modules_only=True, modules=["mix"])
-    eager, graphed = run([]), run([callback])
+    eager, graphed = _fit_new(Attends, []), _fit_new(Attends, [callback])
     assert _same_params(eager, graphed)
     assert callback.report()[0]["replays"] == 9  # 12 steps: 2 warmup, one short batch
