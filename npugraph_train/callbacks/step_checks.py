@@ -1,9 +1,10 @@
 """Checks around a whole-step capture: what the captured step must not do, and what the graph bakes in.
 
 A captured step replays its device work on the tensors it saw at capture, with the host values it read
-then. So at capture, tensor attributes the step rebinds (``self.ema = ...``, torchmetrics states) are put
-back and refused, host reads of ``global_step``/``current_epoch`` and Python values in the step's outputs
-are warned about; before each replay, :class:`BakedSetup` finds what changed since capture (param-group
+then. So at capture, tensor attributes in which the step carries state from step to step (``self.ema =
+0.9 * self.ema + ...``, torchmetrics states) are put back and refused (:class:`StateAttributes`), host
+reads of ``global_step``/``current_epoch`` and Python values in the step's outputs are warned about;
+before each replay, :class:`BakedSetup` finds what changed since capture (param-group
 settings, train/eval flags, ``requires_grad``, and at each epoch's first batch parameters, buffers and
 hooks), so that the step is captured again instead of replaying a stale setup.
 """
@@ -15,6 +16,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import lightning.pytorch as pl
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from ..graphed import GraphCaptureError
@@ -22,11 +24,7 @@ from ..graphed.callables import MODULE_HOOK_KINDS
 from ..graphed.user_code import user_frame
 
 
-# Tensor attributes a captured step could rebind ------------------------------------------------------
-# (module path, module, "_buffers" or "__dict__", attribute, tensor or list, the list's items or None)
-_Binding = Tuple[str, torch.nn.Module, str, str, Any, Optional[tuple]]
-
-
+# Tensor state in module attributes ------------------------------------------------------------------
 def _recomputed_by_hooks(module: torch.nn.Module) -> set:
     """Attributes a forward pre-hook sets from parameters on every call (torch.nn.utils.prune, weight_norm,
     spectral_norm): rebinding them inside the step is how they work, and the graph recomputes them."""
@@ -37,42 +35,106 @@ def _recomputed_by_hooks(module: torch.nn.Module) -> set:
     return names
 
 
-def tensor_bindings(root: torch.nn.Module) -> List[_Binding]:
-    """Every buffer, tensor attribute and list-of-tensors attribute of ``root`` and its submodules."""
-    bindings = []
-    for path, module in root.named_modules():
-        skip = _recomputed_by_hooks(module) if module._forward_pre_hooks else ()
-        for where in ("_buffers", "__dict__"):
-            for attr, value in getattr(module, where).items():
-                if attr in skip:
-                    continue
-                if isinstance(value, list) and all(isinstance(v, torch.Tensor) for v in value):
-                    bindings.append((path, module, where, attr, value, tuple(value)))
-                elif isinstance(value, torch.Tensor):
-                    bindings.append((path, module, where, attr, value, None))
-    return bindings
+def _tensors_in(value: Any) -> List[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (list, tuple, dict)):
+        return [leaf for leaf in tree_flatten(value)[0] if isinstance(leaf, torch.Tensor)]
+    return []
 
 
-def _list_changed(now: Any, items: tuple) -> bool:
-    # A list of tensors that lost or swapped tensors, or gained one (Python values appended to an empty
-    # list, such as Lightning's own _fabric_optimizers, are not tensor state).
-    if len(now) < len(items) or any(a is not b for a, b in zip(now, items)):
-        return True
-    return any(isinstance(v, torch.Tensor) for v in now[len(items):])
+def _items(value: Any) -> Optional[tuple]:
+    """What an in-place change of a container replaces: a list's items, a dict's keys then values."""
+    if isinstance(value, list):
+        return tuple(value)
+    if isinstance(value, dict):
+        return (*value.keys(), *value.values())
+    return None
 
 
-def restore_rebound(bindings: List[_Binding]) -> List[str]:
-    """Put back the bindings the captured code changed; returns their names (``path.attr``)."""
-    rebound = []
-    for path, module, where, attr, value, items in bindings:
-        now = getattr(module, where).get(attr)
-        if now is value and (items is None or not _list_changed(now, items)):
-            continue
-        rebound.append(f"{path}.{attr}" if path else attr)
-        getattr(module, where)[attr] = value
-        if items is not None:
-            value[:] = items
-    return rebound
+def _same(a: Optional[tuple], b: Optional[tuple]) -> bool:
+    return a is None or (b is not None and len(a) == len(b) and all(x is y for x, y in zip(a, b)))
+
+
+def _refill(value: Any, items: Optional[tuple]) -> None:
+    if isinstance(value, list):
+        value[:] = items
+    elif isinstance(value, dict):
+        half = len(items) // 2
+        value.clear()
+        value.update(zip(items[:half], items[half:]))
+
+
+def _storage(t: torch.Tensor) -> int:
+    return t.untyped_storage().data_ptr()
+
+
+class _StorageReads(TorchDispatchMode):
+    """The storages that the captured ops take as inputs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.read: set = set()
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
+        for leaf in tree_flatten((args, kwargs))[0]:
+            if isinstance(leaf, torch.Tensor) and leaf.layout == torch.strided:
+                self.read.add(_storage(leaf))
+        return func(*args, **(kwargs or {}))
+
+
+class StateAttributes:
+    """Tensors kept in module attributes (buffers, tensors and lists, tuples, dicts of them) across a capture.
+
+    A step that rebinds such an attribute either only writes it (a cache recomputed every forward, a
+    stored attention map, ``self.last_loss = loss.detach()``): the new binding is a tensor the graph
+    rewrites on every replay, bound again after each replay; or carries state from step to step
+    (``self.ema = 0.9 * self.ema + ...``, an RNN's hidden state, torchmetrics' ``update``, appending to a
+    list): a replay would read the capture-time tensor again, so the attribute is put back and the
+    capture refused. Which one is told by whether the captured ops read the old tensors.
+    """
+
+    def __init__(self, root: torch.nn.Module) -> None:
+        self.root = root
+        self.reads = _StorageReads()  # enter around the capture
+        # (module path, module, "_buffers" or "__dict__", attribute, value, its items)
+        self._before: List[Tuple[str, torch.nn.Module, str, str, Any, Optional[tuple]]] = []
+        for path, module in root.named_modules():
+            skip = _recomputed_by_hooks(module) if module._forward_pre_hooks else ()
+            for where in ("_buffers", "__dict__"):
+                for attr, value in getattr(module, where).items():
+                    if attr not in skip and (_tensors_in(value) or (isinstance(value, (list, dict)) and not value)):
+                        self._before.append((path, module, where, attr, value, _items(value)))
+        # Written-only attributes, as the capture left them: bound again after every replay.
+        self.written: List[Tuple[torch.nn.Module, str, str, Any, Optional[tuple]]] = []
+
+    def carried(self) -> List[str]:
+        """After capture: put back and name the attributes the step carried state in; note the others."""
+        carried = []
+        for path, module, where, attr, value, items in self._before:
+            now = getattr(module, where).get(attr)
+            if now is value and _same(items, _items(now)):
+                continue
+            name = f"{path}.{attr}" if path else attr
+            old = _tensors_in(value) if now is not value else [t for t in _tensors_in(items) if not any(
+                t is n for n in _tensors_in(now))]
+            grew = (isinstance(now, list) and now is value and len(now) > len(items)
+                    and all(a is b for a, b in zip(now, items)))
+            if grew and not any(_tensors_in(item) for item in now[len(items):]):
+                continue  # Python values appended to a list: not tensor state
+            if grew or any(_storage(t) in self.reads.read for t in old):
+                carried.append(name)
+                getattr(module, where)[attr] = value
+                _refill(value, items)
+            else:
+                self.written.append((module, where, attr, now, _items(now)))
+        return carried
+
+    def rebind_written(self) -> None:
+        """Bind written-only attributes to the graph's tensors again (an eager step may have rebound them)."""
+        for module, where, attr, value, items in self.written:
+            getattr(module, where)[attr] = value
+            _refill(value, items)
 
 
 def is_metric(value: Any) -> bool:
@@ -89,12 +151,13 @@ def rebinding_error(root: torch.nn.Module, names: List[str]) -> GraphCaptureErro
                   "training_step returns." if metrics else "")
     shown = ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
     return GraphCaptureError(
-        f"training_step replaces the tensor attribute(s) {shown} (e.g. self.ema = 0.9 * self.ema + ..., or "
-        "appends to a list of tensors): a graph replays on the tensors it saw at capture, so every replay would "
-        "read the old tensor and write into one the module no longer holds. Update such state in place (e.g. "
-        "self.ema.mul_(0.9).add_(loss.detach(), alpha=0.1)), or outside training_step (e.g. in "
-        f"on_train_batch_end, from the outputs training_step returns).{metric_fix} The bindings are left as "
-        "before the capture", module_name="training_step")
+        f"training_step carries state from step to step in the attribute(s) {shown}: it reads the tensors an "
+        "earlier step stored there and stores new ones (e.g. self.ema = 0.9 * self.ema + ..., an RNN's hidden "
+        "state, appending to a list). A graph replays on the tensors it saw at capture, so every replay would "
+        "read the capture-time tensors again. Update such state in place (e.g. "
+        "self.ema.mul_(0.9).add_(loss.detach(), alpha=0.1), self.hidden[0].copy_(h.detach())), or outside "
+        f"training_step (e.g. in on_train_batch_end, from the outputs training_step returns).{metric_fix} The "
+        "attributes are left as before the capture", module_name="training_step")
 
 
 _HOST_COUNTERS = ("global_step", "current_epoch")
@@ -102,25 +165,26 @@ _HOST_COUNTERS = ("global_step", "current_epoch")
 
 @contextlib.contextmanager
 def watch_host_counters(on_read: Callable[[str, Any], None]) -> Iterator[None]:
-    """Call ``on_read(name, value)`` when user code reads ``self.global_step``/``self.current_epoch`` of a
-    LightningModule; for the capture only (the properties are swapped on the class, then restored)."""
-    originals = {name: pl.LightningModule.__dict__[name] for name in _HOST_COUNTERS}
+    """Call ``on_read(name, value)`` when user code reads ``global_step``/``current_epoch`` of the
+    LightningModule or the Trainer; for the capture only (the properties are swapped on the classes, then
+    restored)."""
+    originals = {(cls, name): cls.__dict__[name] for cls in (pl.LightningModule, pl.Trainer) for name in _HOST_COUNTERS}
 
     def watched(name: str, prop: property) -> property:
-        def read(module: "pl.LightningModule") -> Any:
-            value = prop.fget(module)
+        def read(owner: Any) -> Any:
+            value = prop.fget(owner)
             if user_frame() is sys._getframe(1):  # read by the user's code, not by Lightning's
                 on_read(name, value)
             return value
         return property(read, doc=prop.__doc__)
 
-    for name, prop in originals.items():
-        setattr(pl.LightningModule, name, watched(name, prop))
+    for (cls, name), prop in originals.items():
+        setattr(cls, name, watched(name, prop))
     try:
         yield
     finally:
-        for name, prop in originals.items():
-            setattr(pl.LightningModule, name, prop)
+        for (cls, name), prop in originals.items():
+            setattr(cls, name, prop)
 
 
 def python_outputs(result: Dict[str, Any]) -> List[str]:

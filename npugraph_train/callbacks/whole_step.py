@@ -39,7 +39,7 @@ from ..graphed.user_code import warn_at_user_code
 from ..optim import check_capture_safe, clip_grad_norm_, make_capturable
 from .batch import (MAX_CAPTURE_DELAY, VALUES_DIFFER, BatchKey, batch_key, describe, ready_to_capture,
                     values_differ)
-from .step_checks import (BakedSetup, is_metric, python_outputs, rebinding_error, restore_rebound, tensor_bindings,
+from .step_checks import (BakedSetup, StateAttributes, is_metric, python_outputs, rebinding_error,
                           watch_host_counters)
 
 # The LightningModule method that maps a batch to the cpu_update_input of its graphs (auto_dispatch_capture).
@@ -71,6 +71,7 @@ class _LogRecorder:
 
     def __call__(self, name: str, value: Any, *args: Any, **kwargs: Any) -> None:
         fx = self.module._current_fx_name
+        value = self._live_lr(value)
         if not isinstance(value, torch.Tensor) and is_metric(value):
             # Updating a metric inside the step would rebind its states (refused at capture): point past that.
             raise MisconfigurationException(
@@ -83,11 +84,11 @@ class _LogRecorder:
                 f"whole_step: {fx} logs {name!r} as a Python {type(value).__name__}; a captured step would log the "
                 "capture step's value forever. Log a tensor (e.g. self.log(name, loss.detach())), or log "
                 "outside the training step (on_train_batch_end)")
-        self.calls.append((fx, name, f"{fx}.{name}", self._live_lr(value), args, kwargs))
+        self.calls.append((fx, name, f"{fx}.{name}", value, args, kwargs))
 
-    def _live_lr(self, value: torch.Tensor) -> torch.Tensor:
-        """For an entry of a scheduler's ``get_last_lr()``, the param group's lr tensor: schedulers replace
-        the entries with copies at each step but fill the group's tensor in place, so only it stays current."""
+    def _live_lr(self, value: Any) -> Any:
+        """For an entry of a scheduler's ``get_last_lr()`` (a tensor copy, or a float from before the
+        optimizer's conversion), the param group's lr tensor, which schedulers fill in place."""
         for config in self.module.trainer.lr_scheduler_configs:
             for scheduler in _with_nested(config.scheduler):
                 for i, last in enumerate(getattr(scheduler, "_last_lr", None) or ()):
@@ -145,6 +146,7 @@ class WholeStepGrapher:
         self.eager_steps: Counter = Counter()
         self.setup = BakedSetup()  # what the graph bakes in, checked before each replay
         self.recapture_reason: Optional[str] = None  # set while a changed setup waits to be captured again
+        self.attributes: Optional[StateAttributes] = None
         self.status = "not captured yet"
         self._warned: set = set()  # kinds of eager steps warned about
         self._loop: Optional[_WholeStepOptimization] = None
@@ -245,22 +247,34 @@ class WholeStepGrapher:
         module.log = self.logs
         self.graph = Graph(self.backend)
         progress = copy.deepcopy(loop.optim_progress.state_dict())
-        bindings = tensor_bindings(module)
+        attributes = StateAttributes(module)
+        opt = _unwrap(optimizer)
+        had_state = set(opt.state)
         failure: Optional[GraphCaptureError] = None
         started = time.perf_counter()
         try:
             with watch_host_counters(self._warn_host_read), graph(
                     self.graph, capture_error_mode=self.config.capture_error_mode,
-                    auto_dispatch_capture=self.config.auto_dispatch_capture):
+                    auto_dispatch_capture=self.config.auto_dispatch_capture), attributes.reads:
                 result = _AutomaticOptimization.run(loop, optimizer, batch_idx, static_kwargs)
         except GraphCaptureError as exc:
             failure = exc
         finally:
             del module.log
             # Capture ran no kernels: the tensors bound before it still hold the values they had then.
-            rebound = restore_rebound(bindings)
-        if failure is None and rebound:
-            failure = rebinding_error(module, rebound)
+            carried = attributes.carried()
+        if failure is None and carried:
+            failure = rebinding_error(module, carried)
+        # Optimizer state made inside the graph would start over on every replay (parameters trained for the
+        # first time: unfrozen, or in a group added at this step): an eager step makes it, then capture.
+        fresh = [p for p in opt.state if p not in had_state]
+        if failure is None and fresh:
+            for p in fresh:
+                del opt.state[p]
+            self.graph = None
+            loop.optim_progress.load_state_dict(progress)
+            return loop.eager_step(optimizer, batch_idx, kwargs, "capture waits for an eager step to create the "
+                                   "optimizer state of newly trained parameters")
         if failure is not None:
             self.graph = None
             if self.config.on_failure == "raise":
@@ -271,6 +285,7 @@ class WholeStepGrapher:
             self.active, self.failed, self.status = False, True, f"capture failed, runs eager: {failure}"
             rank_zero_warn(f"NPUGraphCallback(mode='whole_step'): the training step {self.status}")
             return loop.eager_step(optimizer, batch_idx, kwargs, "capture failed (on_failure='eager')")
+        self.attributes = attributes
         self.key = key
         self.capture_seconds = time.perf_counter() - started
         self.pool_bytes = self.graph.pool_bytes()
@@ -296,7 +311,7 @@ class WholeStepGrapher:
         if f"read:{name}" not in self._warned:
             self._warned.add(f"read:{name}")
             warn_at_user_code(
-                f"npugraph_train: the captured training step reads self.{name} ({value}) on the host: every replay "
+                f"npugraph_train: the captured training step reads {name} ({value}) on the host: every replay "
                 f"uses this value. Keep {name}-dependent logic out of training_step, or pass it as a device tensor "
                 "updated in place outside the step (e.g. a buffer you fill_ in on_train_batch_start)")
 
@@ -319,6 +334,8 @@ class WholeStepGrapher:
                     static.copy_(new, non_blocking=True)
         self.graph.replay()
         self.replays += 1
+        if self.attributes is not None:
+            self.attributes.rebind_written()
         for p, g in self.static_grads:
             # zero_grad(set_to_none=True) (validation, eager steps) detached them; the graph still writes here
             if p.grad is not g:
@@ -372,13 +389,6 @@ def _unwrap(optimizer: Any) -> Any:
     return getattr(optimizer, "_optimizer", optimizer)
 
 
-def _lacks_state(optimizer: Any) -> bool:
-    """Some trained parameters have optimizer state and others none yet (unfrozen, or in a new group)."""
-    has_state = [bool(optimizer.state.get(p)) for group in optimizer.param_groups for p in group["params"]
-                 if p.requires_grad]
-    return any(has_state) and not all(has_state)
-
-
 class _WholeStepOptimization(_AutomaticOptimization):
     """Lightning's automatic optimization with the whole step captured once and replayed."""
 
@@ -429,18 +439,13 @@ class _WholeStepOptimization(_AutomaticOptimization):
 
     def recapture(self, optimizer: Any, batch_idx: int, kwargs: OrderedDict, leaves: List[Any], spec: Any,
                   key: BatchKey) -> Dict[str, Any]:
-        """Capture again after a setup change: on a batch like the captured one, once the parameters that
-        are trained now have optimizer state (created inside a graph, it would be reset by every replay)."""
+        """Capture again after a setup change, on a batch like the captured one (waiting at most
+        MAX_CAPTURE_DELAY steps)."""
         grapher = self.grapher
-        if grapher.capture_delay < MAX_CAPTURE_DELAY:
-            if key != grapher.key:
-                grapher.capture_delay += 1
-                return self.eager_step(optimizer, batch_idx, kwargs, "capture again waits for a batch like the "
-                                       "captured one")
-            if _lacks_state(_unwrap(optimizer)):
-                grapher.capture_delay += 1
-                return self.eager_step(optimizer, batch_idx, kwargs, "capture again waits for an eager step to "
-                                       "create the optimizer state of newly trained parameters")
+        if grapher.capture_delay < MAX_CAPTURE_DELAY and key != grapher.key:
+            grapher.capture_delay += 1
+            return self.eager_step(optimizer, batch_idx, kwargs, "capture again waits for a batch like the "
+                                   "captured one")
         return grapher.capture(self, optimizer, batch_idx, kwargs, leaves, spec)
 
     def eager_step(self, optimizer: Any, batch_idx: int, kwargs: OrderedDict, reason: str,
