@@ -503,8 +503,8 @@ class RebindsState(Scheduled):
 def test_rebinding_tensor_attributes_in_training_step_is_refused(kind, name):
     torch.manual_seed(0)
     model = RebindsState(kind)
-    with pytest.raises(ngt.GraphCaptureError, match=rf"carries state from step to step in the attribute\(s\) {name}: .*in place.*"
-                                                    "on_train_batch_end"):
+    with pytest.raises(ngt.GraphCaptureError, match=rf"carries state from step to step in the attribute\(s\) "
+                                                    rf"{name}: .*in place.*on_train_batch_end"):
         trainer([NPUGraphCallback(mode="whole_step")], max_steps=6).fit(model, *loaders())
     # the attributes are as before the capture: what the 3 warmup steps left there
     kept = {"buffer": model.ema != 0, "list": len(model.losses) == 3, "tuple": model.hidden[0] != 0,
