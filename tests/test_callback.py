@@ -357,9 +357,20 @@ def _fit_new(model_class, callbacks, max_steps=12):
     return model
 
 
-def test_the_training_call_is_captured_not_an_earlier_no_grad_call():
+class FrozenTarget(Regressor):
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        self.requires_grad_(False)  # as toggle_optimizer leaves a GAN's other model: grad mode, nothing trains
+        target = self(x + 0.1)
+        self.requires_grad_(True)
+        pred = self(x)
+        return nn.functional.mse_loss(pred, target) + nn.functional.mse_loss(pred, y)
+
+
+@pytest.mark.parametrize("model_class", [StopGradientTarget, FrozenTarget])
+def test_the_training_call_is_captured_not_an_earlier_one_that_trains_nothing(model_class):
     callback = NPUGraphCallback(warmup_steps=2)
-    eager, graphed = _fit_new(StopGradientTarget, []), _fit_new(StopGradientTarget, [callback])
+    eager, graphed = _fit_new(model_class, []), _fit_new(model_class, [callback])
     assert _same_params(eager, graphed)
     row = callback.report()[0]
     assert row["signatures"][0]["description"] == "(float32[8, 8]*)", "the input of the call that trains"

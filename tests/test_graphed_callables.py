@@ -441,6 +441,74 @@ class TestUserPatterns:
         with pytest.raises(ng.GraphStateError, match="head: backward of a call made before its graphs were released"):
             out.backward()
 
+    @pytest.mark.parametrize("change", ["freeze_bn", "eval_bn"])
+    def test_submodule_settings_changed_after_capture_capture_again(self, change):
+        # BaseFinetuning.freeze(train_bn=False) stops BatchNorm statistics; a frozen backbone's BN in eval
+        def train(graphed):
+            torch.manual_seed(0)
+            model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), nn.Tanh())
+            if graphed:
+                ng.make_graphed_callables(model, (torch.zeros(3, 4, requires_grad=True),))
+            torch.manual_seed(1)
+            for step in range(4):
+                if step == 2 and change == "freeze_bn":
+                    model.requires_grad_(False)
+                    model[1].track_running_stats = False
+                elif step == 2:
+                    model[1].eval()
+                model(torch.randn(3, 4, requires_grad=True)).sum().backward()
+            return model
+
+        eager = train(False)
+        with pytest.warns(RuntimeWarning, match="submodules changed train/eval mode or BatchNorm settings"):
+            graphed = train(True)
+        _assert_same_state(eager, graphed)
+        signatures = ng.graphed_state(graphed).report()["signatures"]
+        assert sum(s["replays"] for s in signatures) == 4 and sum(s["captures"] for s in signatures) == 2
+
+    def test_a_later_signature_that_fails_to_capture_runs_eager(self):
+        class ReadsSmallBatches(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.lin = nn.Linear(4, 4)
+
+            def forward(self, x):
+                if x.shape[0] == 2 and x.sum().item() > 1e9:  # a host read, for this shape only
+                    x = x * 0
+                return self.lin(x)
+
+        model = ng.make_graphed_callables(ReadsSmallBatches(), (torch.zeros(3, 4),), max_signatures=2)
+        with pytest.warns(RuntimeWarning, match=r"capturing signature \(float32\[2, 4\]\) failed: .*item"):
+            out = model(torch.ones(2, 4))
+        assert torch.equal(out, model.lin(torch.ones(2, 4)))
+        model(torch.ones(2, 4))
+        report = ng.graphed_state(model).report()
+        assert len(report["signatures"]) == 1 and sum(report["eager_calls"].values()) == 2
+
+    def test_global_hook_registered_after_capture_runs_eager(self):
+        model = ng.make_graphed_callables(nn.Sequential(nn.Linear(4, 4), nn.Tanh()), (torch.zeros(3, 4),))
+        seen = []
+        handle = nn.modules.module.register_module_forward_hook(lambda module, args, out: seen.append(module))
+        try:
+            with pytest.warns(RuntimeWarning, match="a global module hook was registered after capture"):
+                model(torch.randn(3, 4))
+        finally:
+            handle.remove()
+        assert len(seen) == 3, "the hook ran for both submodules and the module"
+
+    def test_checkpoint_recomputing_around_a_graphed_module_is_refused(self):
+        from torch.utils.checkpoint import checkpoint
+
+        block = ng.make_graphed_callables(nn.Sequential(nn.Linear(4, 4), nn.Tanh()),
+                                          (torch.zeros(3, 4, requires_grad=True),), names=["block"])
+        h = torch.randn(3, 4, requires_grad=True)
+        out = checkpoint(lambda t: torch.sin(block(t)), h, use_reentrant=False)
+        with pytest.raises(ng.GraphStateError, match="block was called again during its own backward.*use_reentrant"):
+            out.sum().backward()
+        del out  # its backward never ran: drop it, as a failed step's loss is dropped
+        torch.sin(checkpoint(block, h, use_reentrant=False)).sum().backward()  # the module alone recomputes nothing
+        assert ng.graphed_state(block).report()["replays"] == 2
+
     def test_double_backward_is_refused(self):
         critic = ng.make_graphed_callables(nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1)),
                                            (torch.zeros(3, 4, requires_grad=True),), names=["critic"])

@@ -9,7 +9,7 @@ import torch
 import torch.nn as nn
 from lightning.pytorch.utilities import rank_zero_warn
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
-from torch.utils._pytree import tree_map
+from torch.utils._pytree import tree_flatten, tree_map
 
 from ..config import NPUGraphConfig
 from ..graphed import GraphCaptureError, graph_safe_modules, graphed_state, make_graphed_callables, ungraph
@@ -112,9 +112,12 @@ class SubmoduleGrapher:
         with_grad: Dict[str, bool] = {}
         for name, module in self.modules:
             def record(mod: nn.Module, args: tuple, kwargs: dict, name: str = name) -> None:
-                # The first training call is the one to capture; later calls in the step run eager. A no_grad
-                # call (a stop-gradient target) stands in only until a training call comes.
-                grad = torch.is_grad_enabled()
+                # The first training call is the one to capture; later calls in the step run eager. A call
+                # that trains nothing (no_grad, a stop-gradient target; or frozen, as toggle_optimizer leaves
+                # a GAN's other model) stands in only until a training call comes.
+                grad = torch.is_grad_enabled() and (
+                    any(p.requires_grad for p in mod.parameters())
+                    or any(isinstance(t, torch.Tensor) and t.requires_grad for t in tree_flatten((args, kwargs))[0]))
                 if name in self._samples and (with_grad[name] or not grad):
                     return
                 if name in self._samples:

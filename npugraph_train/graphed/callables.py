@@ -51,6 +51,7 @@ from .user_code import warn_at_user_code
 _batch_ids = itertools.count()
 # A module's hook dicts; hooks inside a graphed module would run once, at capture.
 MODULE_HOOK_KINDS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
+_GLOBAL_HOOK_KINDS = tuple(f"_global{kind}" for kind in MODULE_HOOK_KINDS)
 _MODE_DIFFERS = "train/eval mode differs from capture (validation and test run eager by design)"
 
 
@@ -366,6 +367,8 @@ class GraphedCallable:
         self.params: Tuple[torch.Tensor, ...] = tuple(func.parameters()) if self.is_module else ()
         # Hooks of the module itself run around the graphed forward; those of its submodules would not.
         self.submodules = list(func.modules())[1:] if self.is_module else []
+        self._norms = [m for m in self.submodules if isinstance(m, nn.modules.batchnorm._NormBase)]
+        self.settings = self.current_settings()
         self._hook_handles_seen = -1  # RemovableHandle.next_id at the last scan that found no hook
         self.param_flags = self.current_param_flags()
         self.training = func.training if self.is_module else None
@@ -377,6 +380,12 @@ class GraphedCallable:
 
     def current_param_flags(self) -> Tuple[bool, ...]:
         return tuple(p.requires_grad for p in self.params)
+
+    def current_settings(self) -> tuple:
+        """Python state of the submodules that the graphs bake in: train/eval (dropout, BatchNorm) and how
+        BatchNorms track statistics (finetuning callbacks freeze them; SWA sets momentum=None)."""
+        return (tuple(m.training for m in self.submodules),
+                tuple((m.track_running_stats, m.momentum) for m in self._norms))
 
     def call_original(self, *args: Any, **kwargs: Any) -> Any:
         if self.is_module:
@@ -391,25 +400,38 @@ class GraphedCallable:
             return self.call_original(*args, **kwargs)
         if self.is_module and self.func.training != self.training:
             return self._eager(_MODE_DIFFERS, args, kwargs)
-        hooked = self._hooked_submodule()
-        if hooked is not None:
-            return self._eager(f"a hook was added to its submodule {hooked} after capture (a replay runs no "
-                               "Python, so the hook would not run); ungraph, add hooks, then graph again", args, kwargs)
+        hooked = self._hooks_added()
+        if hooked:
+            return self._eager(f"{hooked} after capture (a replay runs no Python, so the hook would not run); "
+                               "ungraph, add hooks, then graph again", args, kwargs)
         flat, spec = _flatten_call(args, kwargs)
-        flags = self.current_param_flags()
-        if flags != self.param_flags and not _within(flags, self.param_flags):
+        flags, settings = self.current_param_flags(), self.current_settings()
+        gained = flags != self.param_flags and not _within(flags, self.param_flags)
+        if gained or settings != self.settings:
             if any(sig.backward_pending() for sig in self.signatures.values()):
-                return self._eager("parameters gained requires_grad while a backward of this module was pending",
-                                   args, kwargs)
-            self._drop_signatures_for(flags)
+                return self._eager("parameters or submodule settings changed while a backward of this module was "
+                                   "pending", args, kwargs)
+            self._drop_signatures_for(flags, settings, gained)
         key = _signature(spec, flat, self.backend, self.param_flags)
         sig = self.signatures.get(key)
         if sig is None:
             why_not = self._why_not_capture(key, flat)
             if why_not:
                 return self._eager(why_not, args, kwargs)
-            sig = self._capture_new(key, flat, spec)
+            try:
+                sig = self._capture_new(key, flat, spec)
+            except GraphCaptureError as exc:
+                self.max_signatures = len(self.signatures)  # one failed capture is enough: later calls run eager
+                return self._eager(f"capturing signature {_describe(key)} failed: {exc}", args, kwargs)
         if not sig.pool_order.may_replay(sig.order):
+            if sig.backward_pending() and torch._C._current_graph_task_id() != -1:
+                # Eager here would save tensors the graphed call never saved: the checkpoint's recompute
+                # would hand later ops the wrong ones (or raise CheckpointError).
+                raise GraphStateError(
+                    f"{self.name} was called again during its own backward: activation checkpointing "
+                    "(use_reentrant=False) recomputing a region that contains it. Checkpoint with "
+                    "use_reentrant=True, or checkpoint the graphed module alone (checkpoint(module, x)), or "
+                    "checkpoint inside the graphed module (preserve_rng_state=False)")
             return self._eager("called again before the backward of an earlier call in the same pool",
                                args, kwargs)
         if update is not None:
@@ -432,16 +454,18 @@ class GraphedCallable:
                                   "auto_dispatch_capture=True)")
         self._pending_update = cpu_update_input
 
-    def _hooked_submodule(self) -> Optional[str]:
+    def _hooks_added(self) -> str:
         # Every hook registration takes a handle id: while none was taken since a clean scan, skip the scan.
         handles = RemovableHandle.next_id
         if handles == self._hook_handles_seen:
-            return None
+            return ""
+        if any(getattr(nn.modules.module, kind, None) for kind in _GLOBAL_HOOK_KINDS):
+            return "a global module hook was registered"
         for sub in self.submodules:
             if any(getattr(sub, kind) for kind in MODULE_HOOK_KINDS):
-                return next(name for name, m in self.func.named_modules() if m is sub)
+                return f"a hook was added to its submodule {next(n for n, m in self.func.named_modules() if m is sub)}"
         self._hook_handles_seen = handles
-        return None
+        return ""
 
     def _why_not_capture(self, key: tuple, flat: List[Any]) -> str:
         if len(self.signatures) >= self.max_signatures:
@@ -460,16 +484,19 @@ class GraphedCallable:
                     f"'{self.backend.device_type}', ..., cache_enabled=False))")
         return ""
 
-    def _drop_signatures_for(self, flags: Tuple[bool, ...]) -> None:
+    def _drop_signatures_for(self, flags: Tuple[bool, ...], settings: tuple, gained: bool) -> None:
         # Their backward graphs leave out the parameters that require grad now (a finetuning callback unfroze
-        # a backbone), so the next call captures anew.
-        gained = sum(now and not was for now, was in zip(flags, self.param_flags))
-        warn_at_user_code(f"npugraph_train: {self.name}: {gained} parameters require grad now and did not at "
-                          "capture; its graphs are captured again for the new setting")
+        # a backbone), or their forward bakes in the old submodule settings: the next call captures anew.
+        if gained:
+            count = sum(now and not was for now, was in zip(flags, self.param_flags))
+            what = f"{count} parameters require grad now and did not at capture"
+        else:
+            what = "submodules changed train/eval mode or BatchNorm settings (track_running_stats, momentum)"
+        warn_at_user_code(f"npugraph_train: {self.name}: {what}; its graphs are captured again for the new setting")
         for sig in self.signatures.values():
             sig.release()
         self.signatures.clear()
-        self.param_flags = flags
+        self.param_flags, self.settings = flags, settings  # what the next capture sees
 
     def _eager(self, reason: str, args: tuple, kwargs: dict) -> Any:
         # Eval-mode calls are eager by design (validation); anything else is worth one warning.
@@ -592,8 +619,7 @@ def _check_callable(func: Callable, name: str, args: tuple, kwargs: Dict[str, An
     def refuse(message: str) -> GraphCaptureError:
         return GraphCaptureError(message, module_name=name)
 
-    global_hooks = [kind for kind in ("_global_forward_hooks", "_global_forward_pre_hooks", "_global_backward_hooks",
-                                      "_global_backward_pre_hooks") if getattr(nn.modules.module, kind, None)]
+    global_hooks = [kind for kind in _GLOBAL_HOOK_KINDS if getattr(nn.modules.module, kind, None)]
     if global_hooks:
         raise refuse(f"{name}: global module hooks are registered ({', '.join(h.strip('_') for h in global_hooks)}, "
                      "e.g. by torch.nn.modules.module.register_module_forward_hook); they would run once at "
