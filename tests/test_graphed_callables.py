@@ -38,6 +38,18 @@ def _assert_same_state(a, b):
         assert torch.equal(sa[key], sb[key]), key
 
 
+class Recurrent(nn.Module):
+    """batch_first GRU/LSTM: mkldnn kernels that pick their algorithm by grad mode, outputs transposed in place."""
+
+    def __init__(self, kind):
+        super().__init__()
+        self.rnn = (nn.LSTM if kind == "lstm" else nn.GRU)(8, 8, batch_first=True)
+        self.head = nn.Linear(8, 1)
+
+    def forward(self, x):
+        return self.head(self.rnn(x)[0][:, -1])
+
+
 MODELS = {
     "mlp": (lambda: nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.LayerNorm(16), nn.Linear(16, 1)),
             lambda: (torch.randn(4, 8), torch.randn(4, 1)), lambda: (torch.zeros(4, 8),)),
@@ -49,6 +61,10 @@ MODELS = {
                     lambda: (torch.randn(2, 5, 16), torch.randn(2, 1)), lambda: (torch.zeros(2, 5, 16),)),
     "dropout": (lambda: nn.Sequential(nn.Linear(8, 32), nn.Dropout(0.5), nn.Linear(32, 1)),
                 lambda: (torch.randn(4, 8), torch.randn(4, 1)), lambda: (torch.zeros(4, 8),)),
+    "lstm": (lambda: Recurrent("lstm"), lambda: (torch.randn(4, 3, 8), torch.randn(4, 1)),
+             lambda: (torch.zeros(4, 3, 8),)),
+    "gru": (lambda: Recurrent("gru"), lambda: (torch.randn(4, 3, 8), torch.randn(4, 1)),
+            lambda: (torch.zeros(4, 3, 8),)),
 }
 
 

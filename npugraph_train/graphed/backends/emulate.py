@@ -8,7 +8,9 @@ What it models, as a device graph behaves:
   out-of-place ops are copied into the tensors captured as their outputs, in-place ops mutate their
   captured arguments again, views are left as they are. Python code inside the captured region does
   not run again, so rebinding a Python variable has no effect on replay: only ``copy_`` into captured
-  tensors does.
+  tensors does. Ops replay below autograd under the grad mode they were captured with (some CPU
+  kernels, mkldnn's RNN among them, choose their algorithm by it); in-place view ops (``transpose_``,
+  ``unsqueeze_``) change a tensor's metadata once, at capture, as they do on a device.
 - Capture runs no kernels on a device. The emulator has to run the ops to learn their outputs, so at
   ``capture_end`` it undoes what capture did: tensors that existed before the capture get their
   contents back (an optimizer step captured without a replay updates nothing), floating-point tensors
@@ -175,6 +177,9 @@ class _Recorder(TorchDispatchMode):
         # 0-dim values are scalars that kernels take from the host at capture, as on a device.
         if func in _HOST_DATA_OPS and args[0].dim() > 0:
             raise _capture_error(f"op {func} (torch.tensor/as_tensor) copies host data to the device")
+        if torch.Tag.inplace_view in func.tags:
+            # transpose_, unsqueeze_, ...: tensor metadata, set once on the host (no kernel on a device)
+            return func(*args, **kwargs)
         handler = handler_for(func, args, kwargs) if self.graph.auto_dispatch_capture else None
         if handler is None:
             self.graph._before_op(func, args, kwargs)
@@ -196,8 +201,9 @@ class EmulatedGraph:
     """
 
     def __init__(self) -> None:
-        # (op, the call that re-runs it, indices of fresh returns, the tensors captured as those returns)
-        self._ops: List[Tuple[Any, Callable[[], Any], List[int], List[torch.Tensor]]] = []
+        # (op, the call that re-runs it, indices of fresh returns, the tensors captured as those returns,
+        # whether grad mode was on: kernels such as mkldnn's RNN choose their algorithm by it)
+        self._ops: List[Tuple[Any, Callable[[], Any], List[int], List[torch.Tensor], bool]] = []
         self.update_records: List[DispatchRecord] = []
         self._pool: Optional[Tuple[int, int]] = None
         self.captured_bytes = 0
@@ -231,7 +237,7 @@ class EmulatedGraph:
                 storage.copy_(saved)
             # Storage-level writes: autograd's version counters must not see them (a backward
             # captured next may still check the saved activations).
-            for *_, outs in self._ops:
+            for _, _, _, outs, _ in self._ops:
                 for t in outs:
                     if t.is_floating_point() or t.is_complex():
                         t.untyped_storage().fill_(0xFF)  # all-ones bytes are NaN in every float format
@@ -291,12 +297,20 @@ class EmulatedGraph:
             if key not in self._born:
                 self._born.add(key)
                 self.captured_bytes += t.untyped_storage().nbytes()
-        self._ops.append((func, call, fresh, fresh_outs))
+        # Aliases with the outputs' shapes as produced: code may change a tensor's view in place afterwards
+        # (GRU's batch_first output.transpose_), which a replayed op's result must not follow.
+        with _disable_current_modes():
+            fresh_outs = [t.detach() for t in fresh_outs]
+        self._ops.append((func, call, fresh, fresh_outs, torch.is_grad_enabled()))
 
     # use -----------------------------------------------------------------------------------------
     def replay(self) -> None:
-        with torch.no_grad(), torch.autocast("cpu", enabled=False), _disable_current_modes():
-            for func, call, fresh, outs in self._ops:
+        # Below autograd, so that ops run as the kernels they were at capture (no graph recording, in-place
+        # writes to leaves allowed) under the grad mode each was captured with.
+        with torch.enable_grad(), torch._C._AutoDispatchBelowAutograd(), torch.autocast("cpu", enabled=False), \
+                _disable_current_modes():
+            for func, call, fresh, outs, grad in self._ops:
+                torch._C._set_grad_enabled(grad)
                 result = call()
                 if outs:
                     returns = _returns(func._schema, result)
