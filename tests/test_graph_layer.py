@@ -156,6 +156,18 @@ def test_rng_state_reads_during_capture_are_refused_as_on_cuda():
     g.replay()
     assert torch.equal(x.grad, layer.weight.sum(0).expand(2, 4))
 
+
+def test_in_place_view_changes_after_an_op_do_not_change_its_replay():
+    y = torch.ones(2, 3)
+    g = ng.Graph()
+    with ng.graph(g):
+        z = y.sum(0)  # over the 2 rows
+        y.t_()  # metadata, set once at capture as on a device
+        w = torch.nn.functional.dropout1d(torch.ones(4, 6), 0.0, inplace=True)  # unsqueeze_ ... squeeze_
+    g.replay()
+    assert z.shape == (3,) and torch.equal(z, torch.full((3,), 2.0)) and y.shape == (3, 2)
+    assert torch.equal(w, torch.ones(4, 6))
+
 def test_backward_inside_capture_is_recorded():
     w = torch.ones(3, requires_grad=True)
     x = torch.full((3,), 2.0)

@@ -498,8 +498,9 @@ class TestUserPatterns:
             out = model(torch.ones(2, 4))
         assert torch.equal(out, model.lin(torch.ones(2, 4)))
         model(torch.ones(2, 4))
+        model(torch.ones(5, 4))  # another signature still captures
         report = ng.graphed_state(model).report()
-        assert len(report["signatures"]) == 1 and sum(report["eager_calls"].values()) == 2
+        assert len(report["signatures"]) == 2 and sum(report["eager_calls"].values()) == 2
 
     def test_global_hook_registered_after_capture_runs_eager(self):
         model = ng.make_graphed_callables(nn.Sequential(nn.Linear(4, 4), nn.Tanh()), (torch.zeros(3, 4),))
@@ -524,6 +525,21 @@ class TestUserPatterns:
         del out  # its backward never ran: drop it, as a failed step's loss is dropped
         torch.sin(checkpoint(block, h, use_reentrant=False)).sum().backward()  # the module alone recomputes nothing
         assert ng.graphed_state(block).report()["replays"] == 2
+
+    @pytest.mark.parametrize("reentrant", [True, False])
+    def test_checkpointing_a_module_used_twice_matches_eager(self, reentrant):
+        from torch.utils.checkpoint import checkpoint
+
+        def grads(graphed):
+            torch.manual_seed(0)
+            block = nn.Sequential(nn.Linear(4, 4), nn.Tanh())
+            if graphed:
+                ng.make_graphed_callables(block, (torch.zeros(3, 4, requires_grad=True),))
+            h = torch.ones(3, 4, requires_grad=True)
+            checkpoint(block, block(h), use_reentrant=reentrant).sum().backward()  # a shared layer, ALBERT-style
+            return [h.grad] + [p.grad for p in block.parameters()]
+
+        assert all(torch.equal(a, b) for a, b in zip(grads(False), grads(True)))
 
     def test_double_backward_is_refused(self):
         critic = ng.make_graphed_callables(nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1)),

@@ -480,6 +480,8 @@ class RebindsState(Scheduled):
         self.register_buffer("ema", torch.zeros(()))
         self.losses, self.notes, self.outs = [], [], []
         self.hidden = (torch.zeros(()),)
+        self.window = [torch.zeros(()), torch.zeros(())]
+        self.register_buffer("last", torch.zeros(()))
 
     def training_step(self, batch, batch_idx):
         loss = super().training_step(batch, batch_idx)
@@ -493,13 +495,19 @@ class RebindsState(Scheduled):
             self.outs.append({"loss": loss.detach()})
         elif self.kind == "written":  # stored for inspection, never read by the next step
             self.last_loss = loss.detach()
+            self.last = loss.detach()  # a buffer, too
+        elif self.kind == "window":  # moved, not read: the window would freeze
+            self.window = self.window[1:] + [loss.detach()]
+        elif self.kind == "logged":  # the previous step's value, read on the host through the log
+            self.log("previous_loss", self.last)
+            self.last = loss.detach()
         else:
             self.notes.append("a Python value")  # frozen like all Python in the step, but not tensor state
         return loss
 
 
 @pytest.mark.parametrize("kind,name", [("buffer", "ema"), ("list", "losses"), ("tuple", "hidden"),
-                                       ("dicts", "outs")])
+                                       ("dicts", "outs"), ("window", "window"), ("logged", "last")])
 def test_rebinding_tensor_attributes_in_training_step_is_refused(kind, name):
     torch.manual_seed(0)
     model = RebindsState(kind)
@@ -508,7 +516,7 @@ def test_rebinding_tensor_attributes_in_training_step_is_refused(kind, name):
         trainer([NPUGraphCallback(mode="whole_step")], max_steps=6).fit(model, *loaders())
     # the attributes are as before the capture: what the 3 warmup steps left there
     kept = {"buffer": model.ema != 0, "list": len(model.losses) == 3, "tuple": model.hidden[0] != 0,
-            "dicts": len(model.outs) == 3}
+            "dicts": len(model.outs) == 3, "window": model.window[1] != 0, "logged": model.last != 0}
     assert model.ema.isfinite().all() and kept[kind]
 
 
@@ -529,6 +537,7 @@ def test_attributes_the_step_only_writes_stay_live():
 
     (eager, eager_rows), (graphed, graphed_rows) = run([]), run([callback := NPUGraphCallback(mode="whole_step")])
     assert _same(eager, graphed) and callback.report()[0]["replays"] == 15  # 3 warmup, 2 short batches
+    assert callback.report()[0]["captures"] == 1, "a short batch's eager step rebinding the buffer is no change"
     assert all(torch.equal(a, b) for row in eager_rows + graphed_rows for a, b in [row]), "this step's loss"
     assert all(torch.equal(a[0], b[0]) for a, b in zip(eager_rows, graphed_rows))
 
@@ -554,6 +563,28 @@ def test_parameters_trained_first_at_the_capture_step_get_state_from_an_eager_st
     assert _same(eager, graphed)
     assert report["captures"] == 1 and report["replays"] == 11
     assert sum(n for r, n in report["eager_calls"].items() if "optimizer state" in r) == 1
+
+
+def test_optimizer_state_made_by_a_failed_capture_is_dropped():
+    class UnfreezesAndCarries(RebindsState):
+        def __init__(self):
+            super().__init__("buffer", optimizer="adamw")
+            self.embed.requires_grad_(False)
+
+        def on_train_batch_start(self, batch, batch_idx):
+            if self.trainer.global_step == 3:
+                self.embed.requires_grad_(True)
+
+    def run(callbacks):
+        torch.manual_seed(0)
+        model = UnfreezesAndCarries()
+        trainer(callbacks, max_steps=8, val_check_interval=None, limit_val_batches=0).fit(model, loaders()[0])
+        return model
+
+    eager = run([])
+    with pytest.warns(UserWarning, match="capture failed, runs eager"):
+        graphed = run([NPUGraphCallback(mode="whole_step", on_failure="eager")])
+    assert _same(eager, graphed), "no NaN optimizer state from the capture"
 
 
 def test_python_values_appended_to_an_empty_list_are_not_tensor_state():

@@ -65,8 +65,14 @@ def _refill(value: Any, items: Optional[tuple]) -> None:
         value.update(zip(items[:half], items[half:]))
 
 
-def _storage(t: torch.Tensor) -> int:
-    return t.untyped_storage().data_ptr()
+def _storage(t: torch.Tensor) -> Optional[int]:
+    # Wrapper subclasses (float8 tensors), sparse and empty tensors have no storage address to compare.
+    if not torch._C._has_storage(t) or t.layout != torch.strided or t.numel() == 0:
+        return None
+    try:
+        return t.untyped_storage().data_ptr()
+    except RuntimeError:
+        return None
 
 
 class _StorageReads(TorchDispatchMode):
@@ -78,7 +84,7 @@ class _StorageReads(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
         for leaf in tree_flatten((args, kwargs))[0]:
-            if isinstance(leaf, torch.Tensor) and leaf.layout == torch.strided:
+            if isinstance(leaf, torch.Tensor):
                 self.read.add(_storage(leaf))
         return func(*args, **(kwargs or {}))
 
@@ -103,13 +109,19 @@ class StateAttributes:
             skip = _recomputed_by_hooks(module) if module._forward_pre_hooks else ()
             for where in ("_buffers", "__dict__"):
                 for attr, value in getattr(module, where).items():
+                    if where == "__dict__" and attr in ("_parameters", "_buffers", "_modules"):
+                        continue  # nn.Module's own registries: their entries are tracked one by one
                     if attr not in skip and (_tensors_in(value) or (isinstance(value, (list, dict)) and not value)):
                         self._before.append((path, module, where, attr, value, _items(value)))
         # Written-only attributes, as the capture left them: bound again after every replay.
         self.written: List[Tuple[torch.nn.Module, str, str, Any, Optional[tuple]]] = []
 
-    def carried(self) -> List[str]:
-        """After capture: put back and name the attributes the step carried state in; note the others."""
+    def carried(self, escaped: List[torch.Tensor]) -> List[str]:
+        """After capture: put back and name the attributes the step carried state in; note the others.
+
+        ``escaped``: the tensors the step logged or returned; an old value among them is read on the host
+        after each step (``self.log("prev", self.prev); self.prev = loss``), which a replay would not refresh.
+        """
         carried = []
         for path, module, where, attr, value, items in self._before:
             now = getattr(module, where).get(attr)
@@ -122,7 +134,12 @@ class StateAttributes:
                     and all(a is b for a, b in zip(now, items)))
             if grew and not any(_tensors_in(item) for item in now[len(items):]):
                 continue  # Python values appended to a list: not tensor state
-            if grew or any(_storage(t) in self.reads.read for t in old):
+            # Old tensors kept in the new binding (a window shifted, items moved): state carried without a read.
+            moved = [t for t in old if any(t is n for n in _tensors_in(now))] if now is not value else [
+                t for t in _tensors_in(items) if any(t is n for n in _tensors_in(now))]
+            read = [t for t in old if (_storage(t) is not None and _storage(t) in self.reads.read)
+                    or any(t is e for e in escaped)]
+            if grew or moved or read:
                 carried.append(name)
                 getattr(module, where)[attr] = value
                 _refill(value, items)

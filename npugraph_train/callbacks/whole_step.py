@@ -251,6 +251,7 @@ class WholeStepGrapher:
         opt = _unwrap(optimizer)
         had_state = set(opt.state)
         failure: Optional[GraphCaptureError] = None
+        result: Dict[str, Any] = {}
         started = time.perf_counter()
         try:
             with watch_host_counters(self._warn_host_read), graph(
@@ -262,15 +263,17 @@ class WholeStepGrapher:
         finally:
             del module.log
             # Capture ran no kernels: the tensors bound before it still hold the values they had then.
-            carried = attributes.carried()
+            escaped = [call[3] for call in self.logs.calls] + [
+                leaf for leaf in tree_flatten(result)[0] if isinstance(leaf, torch.Tensor)]
+            carried = attributes.carried(escaped)
         if failure is None and carried:
             failure = rebinding_error(module, carried)
         # Optimizer state made inside the graph would start over on every replay (parameters trained for the
         # first time: unfrozen, or in a group added at this step): an eager step makes it, then capture.
         fresh = [p for p in opt.state if p not in had_state]
+        for p in fresh:  # made by the capture, failed or not: never computed (NaN on the emulator)
+            del opt.state[p]
         if failure is None and fresh:
-            for p in fresh:
-                del opt.state[p]
             self.graph = None
             loop.optim_progress.load_state_dict(progress)
             return loop.eager_step(optimizer, batch_idx, kwargs, "capture waits for an eager step to create the "
@@ -408,6 +411,8 @@ class _WholeStepOptimization(_AutomaticOptimization):
         leaves, spec = tree_flatten(kwargs["batch"])
         key = batch_key(leaves, spec)
         if grapher.graph is not None:
+            if grapher.attributes is not None:
+                grapher.attributes.rebind_written()  # an eager step since the last replay rebound them
             change = grapher.setup.change(self.trainer.lightning_module, groups, batch_idx)
             if change is not None:
                 grapher.drop_for_recapture(*change)

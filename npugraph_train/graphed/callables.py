@@ -150,6 +150,12 @@ def _flatten_call(args: tuple, kwargs: Dict[str, Any]) -> Tuple[List[Any], Any]:
     return tree_flatten((tuple(args), dict(sorted(kwargs.items()))))
 
 
+def _in_checkpoint_forward() -> bool:
+    # torch.utils.checkpoint(use_reentrant=False) packs saved tensors with its _checkpoint_hook in the forward
+    hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)
+    return hooks is not None and getattr(hooks[0], "__qualname__", "").startswith("_checkpoint_hook.")
+
+
 class _PoolOrder:
     """Keeps replays in capture order within one memory pool.
 
@@ -279,6 +285,7 @@ class _CapturedSignature:
                 sig.replay_forward(inputs[:num_user])
                 ctx.replay = sig.replays
                 pool_order.pending[id(sig)] = (sig.order, weakref.ref(ctx))
+                ctx.in_checkpoint = _in_checkpoint_forward()
                 outputs = tuple(o.detach() for o in sig.static_outputs)
                 ctx.mark_non_differentiable(*(o for o, s in zip(outputs, sig.static_outputs) if not s.requires_grad))
                 return outputs
@@ -373,6 +380,7 @@ class GraphedCallable:
         self.param_flags = self.current_param_flags()
         self.training = func.training if self.is_module else None
         self.signatures: Dict[tuple, _CapturedSignature] = {}
+        self._failed: Dict[tuple, str] = {}  # signatures whose capture failed, with the reason
         self.stats: Dict[tuple, SignatureStats] = {}
         self.eager_calls: Counter = Counter()
         self._released = False
@@ -421,10 +429,11 @@ class GraphedCallable:
             try:
                 sig = self._capture_new(key, flat, spec)
             except GraphCaptureError as exc:
-                self.max_signatures = len(self.signatures)  # one failed capture is enough: later calls run eager
-                return self._eager(f"capturing signature {_describe(key)} failed: {exc}", args, kwargs)
+                self._failed[key] = f"capturing signature {_describe(key)} failed: {exc}"
+                return self._eager(self._failed[key], args, kwargs)
         if not sig.pool_order.may_replay(sig.order):
-            if sig.backward_pending() and torch._C._current_graph_task_id() != -1:
+            if sig.backward_pending() and getattr(sig.pool_order.pending[id(sig)][1](), "in_checkpoint", False) \
+                    and torch._C._current_graph_task_id() != -1:
                 # Eager here would save tensors the graphed call never saved: the checkpoint's recompute
                 # would hand later ops the wrong ones (or raise CheckpointError).
                 raise GraphStateError(
@@ -468,6 +477,8 @@ class GraphedCallable:
         return ""
 
     def _why_not_capture(self, key: tuple, flat: List[Any]) -> str:
+        if key in self._failed:  # one failed capture of a signature is enough: its calls run eager
+            return self._failed[key]
         if len(self.signatures) >= self.max_signatures:
             return (f"signature {_describe(key)} not captured (max_signatures={self.max_signatures} reached)"
                     f"{_difference_hint(key, self.signatures)}")

@@ -183,8 +183,13 @@ class _Recorder(TorchDispatchMode):
         handler = handler_for(func, args, kwargs) if self.graph.auto_dispatch_capture else None
         if handler is None:
             self.graph._before_op(func, args, kwargs)
+            # Aliases with the arguments' metadata as at this call: an in-place view op later in the capture
+            # (unsqueeze_ ... squeeze_ around it, t_) must not change what the replayed op sees.
+            with _disable_current_modes():
+                snap_args, snap_kwargs = tree_map(lambda v: v.detach() if isinstance(v, torch.Tensor) else v,
+                                                  (args, kwargs))
             out = func(*args, **kwargs)
-            self.graph._record(func, args, kwargs, out, functools.partial(func, *args, **kwargs))
+            self.graph._record(func, args, kwargs, out, functools.partial(func, *snap_args, **snap_kwargs))
             return out
         return self.graph._record_updatable(func, args, kwargs, handler)
 
