@@ -565,6 +565,14 @@ def test_parameters_trained_first_at_the_capture_step_get_state_from_an_eager_st
     assert sum(n for r, n in report["eager_calls"].items() if "optimizer state" in r) == 1
 
 
+def _train_only(model_class, callbacks, max_steps=8):
+    """Fit a fresh model from seed 0 without validation."""
+    torch.manual_seed(0)
+    model = model_class()
+    trainer(callbacks, max_steps=max_steps, val_check_interval=None, limit_val_batches=0).fit(model, loaders()[0])
+    return model
+
+
 def test_optimizer_state_made_by_a_failed_capture_is_dropped():
     class UnfreezesAndCarries(RebindsState):
         def __init__(self):
@@ -575,15 +583,9 @@ def test_optimizer_state_made_by_a_failed_capture_is_dropped():
             if self.trainer.global_step == 3:
                 self.embed.requires_grad_(True)
 
-    def run(callbacks):
-        torch.manual_seed(0)
-        model = UnfreezesAndCarries()
-        trainer(callbacks, max_steps=8, val_check_interval=None, limit_val_batches=0).fit(model, loaders()[0])
-        return model
-
-    eager = run([])
+    eager = _train_only(UnfreezesAndCarries, [])
     with pytest.warns(UserWarning, match="capture failed, runs eager"):
-        graphed = run([NPUGraphCallback(mode="whole_step", on_failure="eager")])
+        graphed = _train_only(UnfreezesAndCarries, [NPUGraphCallback(mode="whole_step", on_failure="eager")])
     assert _same(eager, graphed), "no NaN optimizer state from the capture"
 
 
@@ -595,16 +597,10 @@ def test_python_values_appended_to_an_empty_list_are_not_tensor_state():
 
 
 def test_rebinding_with_on_failure_eager_runs_eager_like_plain_lightning():
-    def run(callbacks):
-        torch.manual_seed(0)
-        model = RebindsState()
-        trainer(callbacks, max_steps=8, val_check_interval=None, limit_val_batches=0).fit(model, loaders()[0])
-        return model
-
-    eager = run([])
+    eager = _train_only(RebindsState, [])
     callback = NPUGraphCallback(mode="whole_step", on_failure="eager")
     with pytest.warns(UserWarning, match="capture failed, runs eager.*carries state from step to step"):
-        graphed = run([callback])
+        graphed = _train_only(RebindsState, [callback])
     assert callback.report()[0]["eager_calls"] == {"capture failed (on_failure='eager')": 5}
     assert _same(eager, graphed) and torch.equal(eager.ema, graphed.ema)
 
