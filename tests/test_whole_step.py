@@ -481,6 +481,7 @@ class RebindsState(Scheduled):
         self.losses, self.notes, self.outs = [], [], []
         self.hidden = (torch.zeros(()),)
         self.window = [torch.zeros(()), torch.zeros(())]
+        self.nested = {"h": [torch.zeros(())]}
         self.register_buffer("last", torch.zeros(()))
 
     def training_step(self, batch, batch_idx):
@@ -498,6 +499,8 @@ class RebindsState(Scheduled):
             self.last = loss.detach()  # a buffer, too
         elif self.kind == "window":  # moved, not read: the window would freeze
             self.window = self.window[1:] + [loss.detach()]
+        elif self.kind == "nested":  # state inside a container, changed in place
+            self.nested["h"][0] = 0.5 * self.nested["h"][0] + loss.detach()
         elif self.kind == "logged":  # the previous step's value, read on the host through the log
             self.log("previous_loss", self.last)
             self.last = loss.detach()
@@ -507,7 +510,8 @@ class RebindsState(Scheduled):
 
 
 @pytest.mark.parametrize("kind,name", [("buffer", "ema"), ("list", "losses"), ("tuple", "hidden"),
-                                       ("dicts", "outs"), ("window", "window"), ("logged", "last")])
+                                       ("dicts", "outs"), ("window", "window"), ("logged", "last"),
+                                       ("nested", "nested")])
 def test_rebinding_tensor_attributes_in_training_step_is_refused(kind, name):
     torch.manual_seed(0)
     model = RebindsState(kind)
@@ -516,7 +520,8 @@ def test_rebinding_tensor_attributes_in_training_step_is_refused(kind, name):
         trainer([NPUGraphCallback(mode="whole_step")], max_steps=6).fit(model, *loaders())
     # the attributes are as before the capture: what the 3 warmup steps left there
     kept = {"buffer": model.ema != 0, "list": len(model.losses) == 3, "tuple": model.hidden[0] != 0,
-            "dicts": len(model.outs) == 3, "window": model.window[1] != 0, "logged": model.last != 0}
+            "dicts": len(model.outs) == 3, "window": model.window[1] != 0, "logged": model.last != 0,
+            "nested": model.nested["h"][0] != 0}
     assert model.ema.isfinite().all() and kept[kind]
 
 

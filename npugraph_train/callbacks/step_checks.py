@@ -17,7 +17,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 import lightning.pytorch as pl
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ..graphed import GraphCaptureError
 from ..graphed.callables import MODULE_HOOK_KINDS
@@ -43,26 +43,39 @@ def _tensors_in(value: Any) -> List[torch.Tensor]:
     return []
 
 
-def _items(value: Any) -> Optional[tuple]:
-    """What an in-place change of a container replaces: a list's items, a dict's keys then values."""
-    if isinstance(value, list):
-        return tuple(value)
-    if isinstance(value, dict):
-        return (*value.keys(), *value.values())
+# A container's structure and leaves (nested lists, tuples, dicts), to compare by position and identity.
+_Snapshot = Optional[Tuple[Any, tuple]]
+
+
+def _snapshot(value: Any) -> _Snapshot:
+    if isinstance(value, (list, tuple, dict)):
+        leaves, spec = tree_flatten(value)
+        return spec, tuple(leaves)
     return None
 
 
-def _same(a: Optional[tuple], b: Optional[tuple]) -> bool:
-    return a is None or (b is not None and len(a) == len(b) and all(x is y for x, y in zip(a, b)))
+def _leaves(value: Any, snapshot: _Snapshot) -> tuple:
+    return snapshot[1] if snapshot is not None else (value,)
 
 
-def _refill(value: Any, items: Optional[tuple]) -> None:
+def _unchanged(value: Any, snapshot: _Snapshot, now: Any) -> bool:
+    if now is not value:
+        return False
+    current = _snapshot(now)
+    return snapshot is None or (current is not None and current[0] == snapshot[0]
+                                and all(a is b for a, b in zip(current[1], snapshot[1])))
+
+
+def _refill(value: Any, snapshot: _Snapshot) -> None:
+    """Give a list or dict mutated in place its snapshot's contents again (tuples cannot change)."""
+    if snapshot is None or not isinstance(value, (list, dict)):
+        return
+    contents = tree_unflatten(list(snapshot[1]), snapshot[0])
     if isinstance(value, list):
-        value[:] = items
-    elif isinstance(value, dict):
-        half = len(items) // 2
+        value[:] = contents
+    else:
         value.clear()
-        value.update(zip(items[:half], items[half:]))
+        value.update(contents)
 
 
 def _storage(t: torch.Tensor) -> Optional[int]:
@@ -103,8 +116,8 @@ class StateAttributes:
     def __init__(self, root: torch.nn.Module) -> None:
         self.root = root
         self.reads = _StorageReads()  # enter around the capture
-        # (module path, module, "_buffers" or "__dict__", attribute, value, its items)
-        self._before: List[Tuple[str, torch.nn.Module, str, str, Any, Optional[tuple]]] = []
+        # (module path, module, "_buffers" or "__dict__", attribute, value, its snapshot)
+        self._before: List[Tuple[str, torch.nn.Module, str, str, Any, _Snapshot]] = []
         for path, module in root.named_modules():
             skip = _recomputed_by_hooks(module) if module._forward_pre_hooks else ()
             for where in ("_buffers", "__dict__"):
@@ -112,9 +125,9 @@ class StateAttributes:
                     if where == "__dict__" and attr in ("_parameters", "_buffers", "_modules"):
                         continue  # nn.Module's own registries: their entries are tracked one by one
                     if attr not in skip and (_tensors_in(value) or (isinstance(value, (list, dict)) and not value)):
-                        self._before.append((path, module, where, attr, value, _items(value)))
+                        self._before.append((path, module, where, attr, value, _snapshot(value)))
         # Written-only attributes, as the capture left them: bound again after every replay.
-        self.written: List[Tuple[torch.nn.Module, str, str, Any, Optional[tuple]]] = []
+        self.written: List[Tuple[torch.nn.Module, str, str, Any, _Snapshot]] = []
 
     def carried(self, escaped: List[torch.Tensor]) -> List[str]:
         """After capture: put back and name the attributes the step carried state in; note the others.
@@ -123,35 +136,34 @@ class StateAttributes:
         after each step (``self.log("prev", self.prev); self.prev = loss``), which a replay would not refresh.
         """
         carried = []
-        for path, module, where, attr, value, items in self._before:
+        for path, module, where, attr, value, snapshot in self._before:
             now = getattr(module, where).get(attr)
-            if now is value and _same(items, _items(now)):
+            if _unchanged(value, snapshot, now):
                 continue
-            name = f"{path}.{attr}" if path else attr
-            old = _tensors_in(value) if now is not value else [t for t in _tensors_in(items) if not any(
-                t is n for n in _tensors_in(now))]
-            grew = (isinstance(now, list) and now is value and len(now) > len(items)
-                    and all(a is b for a, b in zip(now, items)))
-            if grew and not any(_tensors_in(item) for item in now[len(items):]):
-                continue  # Python values appended to a list: not tensor state
-            # Old tensors kept in the new binding (a window shifted, items moved): state carried without a read.
-            moved = [t for t in old if any(t is n for n in _tensors_in(now))] if now is not value else [
-                t for t in _tensors_in(items) if any(t is n for n in _tensors_in(now))]
+            before, after = _leaves(value, snapshot), _leaves(now, _snapshot(now))
+            # Tensors left where they were are no state change; the others were replaced or moved.
+            old = [t for i, t in enumerate(before) if isinstance(t, torch.Tensor)
+                   and not (i < len(after) and after[i] is t)]
+            new = [t for t in after if isinstance(t, torch.Tensor) and not any(t is b for b in before)]
+            if not old and not new:
+                continue  # Python values added or changed: not tensor state
+            grew = len(after) > len(before) and bool(new)  # appended: a replay would not append again
+            moved = [t for t in old if any(t is a for a in after)]  # a shifted window
             read = [t for t in old if (_storage(t) is not None and _storage(t) in self.reads.read)
                     or any(t is e for e in escaped)]
             if grew or moved or read:
-                carried.append(name)
+                carried.append(f"{path}.{attr}" if path else attr)
                 getattr(module, where)[attr] = value
-                _refill(value, items)
+                _refill(value, snapshot)
             else:
-                self.written.append((module, where, attr, now, _items(now)))
+                self.written.append((module, where, attr, now, _snapshot(now)))
         return carried
 
     def rebind_written(self) -> None:
         """Bind written-only attributes to the graph's tensors again (an eager step may have rebound them)."""
-        for module, where, attr, value, items in self.written:
+        for module, where, attr, value, snapshot in self.written:
             getattr(module, where)[attr] = value
-            _refill(value, items)
+            _refill(value, snapshot)
 
 
 def is_metric(value: Any) -> bool:
