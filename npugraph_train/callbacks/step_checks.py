@@ -35,7 +35,8 @@ def _recomputed_by_hooks(module: torch.nn.Module) -> set:
     return names
 
 
-def _tensors_in(value: Any) -> List[torch.Tensor]:
+def tensors_in(value: Any) -> List[torch.Tensor]:
+    """The tensors in a tensor, or in (nested) lists, tuples and dicts."""
     if isinstance(value, torch.Tensor):
         return [value]
     if isinstance(value, (list, tuple, dict)):
@@ -107,7 +108,7 @@ class StateAttributes:
 
     A step that rebinds such an attribute either only writes it (a cache recomputed every forward, a
     stored attention map, ``self.last_loss = loss.detach()``): the new binding is a tensor the graph
-    rewrites on every replay, bound again after each replay; or carries state from step to step
+    rewrites on every replay, bound to it again before each replay; or carries state from step to step
     (``self.ema = 0.9 * self.ema + ...``, an RNN's hidden state, torchmetrics' ``update``, appending to a
     list): a replay would read the capture-time tensor again, so the attribute is put back and the
     capture refused. Which one is told by whether the captured ops read the old tensors.
@@ -124,9 +125,9 @@ class StateAttributes:
                 for attr, value in getattr(module, where).items():
                     if where == "__dict__" and attr in ("_parameters", "_buffers", "_modules"):
                         continue  # nn.Module's own registries: their entries are tracked one by one
-                    if attr not in skip and (_tensors_in(value) or (isinstance(value, (list, dict)) and not value)):
+                    if attr not in skip and (tensors_in(value) or (isinstance(value, (list, dict)) and not value)):
                         self._before.append((path, module, where, attr, value, _snapshot(value)))
-        # Written-only attributes, as the capture left them: bound again after every replay.
+        # Written-only attributes, as the capture left them: bound again before every replay.
         self.written: List[Tuple[torch.nn.Module, str, str, Any, _Snapshot]] = []
 
     def carried(self, escaped: List[torch.Tensor]) -> List[str]:
@@ -222,26 +223,27 @@ def python_outputs(result: Dict[str, Any]) -> List[str]:
             if any(not isinstance(leaf, torch.Tensor) for leaf in tree_flatten(value)[0] if leaf is not None)]
 
 
-def _group_settings(groups: List[Dict[str, Any]]) -> List[tuple]:
-    """Per param group: its settings (a tensor by identity: its value is read on the device) and size."""
-    return [tuple(id(v) if isinstance(v, torch.Tensor) else v for k, v in group.items() if k != "params")
-            + (len(group["params"]),) for group in groups]
-
-
 def _structure(root: torch.nn.Module) -> List[tuple]:
     """Per module: its parameters and buffers (by identity) and how many hooks it has."""
     return [(id(m), tuple(map(id, m._parameters.values())), tuple(map(id, m._buffers.values())))
             + tuple(len(getattr(m, kind)) for kind in MODULE_HOOK_KINDS) for m in root.modules()]
 
 
-def _changed_setting(before: List[Dict[str, Any]], groups: List[Dict[str, Any]]) -> Tuple[int, str]:
-    for i, (old, group) in enumerate(zip(before, groups)):
-        for key, value in group.items():
-            previous = old.get(key, old)  # the dict itself: a key that was not there
-            if key != "params" and previous is not value and (
-                    isinstance(value, torch.Tensor) or isinstance(previous, torch.Tensor) or previous != value):
+def _changed_setting(before: List[Dict[str, Any]], sizes: List[int],
+                     groups: List[Dict[str, Any]]) -> Optional[Tuple[int, str]]:
+    """(group index, key) of the first param-group setting that differs from ``before``, or None.
+
+    Tensors compare by identity: their values are read on the device, and a new tensor is not the graph's.
+    """
+    for i, (old, size, group) in enumerate(zip(before, sizes, groups)):
+        if len(group) != len(old) + 1 or len(group["params"]) != size:
+            return i, "params"
+        for key, previous in old.items():
+            value = group.get(key, old)  # the dict itself: a key that is gone
+            if value is not previous and (
+                    isinstance(value, torch.Tensor) or isinstance(previous, torch.Tensor) or value != previous):
                 return i, key
-    return 0, "params"
+    return None
 
 
 class BakedSetup:
@@ -249,8 +251,8 @@ class BakedSetup:
 
     def __init__(self) -> None:
         self._lrs: List[Any] = []  # per param group: the lr tensor the graph reads (or the float it froze)
-        self._settings: List[tuple] = []
-        self._settings_dicts: List[Dict[str, Any]] = []
+        self._settings: List[Dict[str, Any]] = []  # per param group, all but its params
+        self._sizes: List[int] = []
         self._flagged_modules: List[torch.nn.Module] = []
         self._training: List[bool] = []
         self._params: List[torch.Tensor] = []
@@ -276,8 +278,8 @@ class BakedSetup:
     def remember(self, module: "pl.LightningModule", groups: List[Dict[str, Any]]) -> None:
         """Note the setup as the graph just captured it."""
         self._lrs = [group["lr"] for group in groups]
-        self._settings = _group_settings(groups)
-        self._settings_dicts = [{k: v for k, v in group.items() if k != "params"} for group in groups]
+        self._settings = [{k: v for k, v in group.items() if k != "params"} for group in groups]
+        self._sizes = [len(group["params"]) for group in groups]
         self._flagged_modules = list(module.modules())
         self._training = [m.training for m in self._flagged_modules]
         self._params = list(module.parameters())
@@ -287,12 +289,13 @@ class BakedSetup:
     def change(self, module: "pl.LightningModule", groups: List[Dict[str, Any]],
                batch_idx: int) -> Optional[Tuple[str, str]]:
         """(kind, description) of what changed since capture that the graph baked in, or None. Param groups,
-        train/eval flags and requires_grad are checked every step (a few µs); parameters, buffers and hooks at
+        train/eval flags and requires_grad are checked every step (5-10 µs); parameters, buffers and hooks at
         each epoch's first batch (where callbacks such as ModelPruning change them)."""
-        if _group_settings(groups) != self._settings:
-            if len(groups) != len(self._settings_dicts):
-                return "groups", "the optimizer's param groups were added or removed"
-            index, key = _changed_setting(self._settings_dicts, groups)
+        if len(groups) != len(self._settings):
+            return "groups", "the optimizer's param groups were added or removed"
+        changed = _changed_setting(self._settings, self._sizes, groups)
+        if changed is not None:
+            index, key = changed
             return f"setting {key}", f"param group {index}'s {key!r} changed"
         if [m.training for m in self._flagged_modules] != self._training:
             return "mode", "modules were switched between train() and eval()"

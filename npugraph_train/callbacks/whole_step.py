@@ -36,11 +36,11 @@ from ..config import NPUGraphConfig
 from ..graphed import Graph, GraphCaptureError, graph
 from ..graphed.backends import Backend
 from ..graphed.user_code import warn_at_user_code
-from ..optim import check_capture_safe, clip_grad_norm_, make_capturable
+from ..optim import check_capture_safe, clip_grad_norm_, make_capturable, unwrap
 from .batch import (MAX_CAPTURE_DELAY, VALUES_DIFFER, BatchKey, batch_key, describe, ready_to_capture,
                     values_differ)
 from .step_checks import (BakedSetup, StateAttributes, is_metric, python_outputs, rebinding_error,
-                          watch_host_counters)
+                          tensors_in, watch_host_counters)
 
 # The LightningModule method that maps a batch to the cpu_update_input of its graphs (auto_dispatch_capture).
 UPDATE_HOOK = "npugraph_update_input"
@@ -203,7 +203,7 @@ class WholeStepGrapher:
             make_capturable(optimizer)
         else:
             check_capture_safe(optimizer, tensor_lr_needed=bool(trainer.lr_scheduler_configs))
-        self.setup.track_lrs(_unwrap(optimizer).param_groups)
+        self.setup.track_lrs(unwrap(optimizer).param_groups)
 
     # loop installation ---------------------------------------------------------------------------
     def install(self, trainer: "pl.Trainer") -> None:
@@ -248,7 +248,7 @@ class WholeStepGrapher:
         self.graph = Graph(self.backend)
         progress = copy.deepcopy(loop.optim_progress.state_dict())
         attributes = StateAttributes(module)
-        opt = _unwrap(optimizer)
+        opt = unwrap(optimizer)
         had_state = set(opt.state)
         failure: Optional[GraphCaptureError] = None
         result: Dict[str, Any] = {}
@@ -263,8 +263,7 @@ class WholeStepGrapher:
         finally:
             del module.log
             # Capture ran no kernels: the tensors bound before it still hold the values they had then.
-            escaped = [call[3] for call in self.logs.calls] + [
-                leaf for leaf in tree_flatten(result)[0] if isinstance(leaf, torch.Tensor)]
+            escaped = [call[3] for call in self.logs.calls] + tensors_in(result)
             carried = attributes.carried(escaped)
         if failure is None and carried:
             failure = rebinding_error(module, carried)
@@ -299,9 +298,9 @@ class WholeStepGrapher:
                 "cannot replay; return the loss, and skip batches in the data instead")
         self._warn_python_outputs(result)
         self.static_result = result
-        self.static_grads = [(p, p.grad) for group in _unwrap(optimizer).param_groups for p in group["params"]
+        self.static_grads = [(p, p.grad) for group in unwrap(optimizer).param_groups for p in group["params"]
                              if p.grad is not None]
-        self.setup.remember(module, _unwrap(optimizer).param_groups)
+        self.setup.remember(module, unwrap(optimizer).param_groups)
         self.captures.append({"description": describe(key), "reason": self.recapture_reason,
                               "first_replay": self.replays, "capture_seconds": self.capture_seconds,
                               "pool_bytes": self.pool_bytes})
@@ -337,8 +336,6 @@ class WholeStepGrapher:
                     static.copy_(new, non_blocking=True)
         self.graph.replay()
         self.replays += 1
-        if self.attributes is not None:
-            self.attributes.rebind_written()
         for p, g in self.static_grads:
             # zero_grad(set_to_none=True) (validation, eager steps) detached them; the graph still writes here
             if p.grad is not g:
@@ -388,10 +385,6 @@ class WholeStepGrapher:
                  "replays": self.replays, "captures": len(self.captures), "eager_calls": dict(self.eager_steps)}]
 
 
-def _unwrap(optimizer: Any) -> Any:
-    return getattr(optimizer, "_optimizer", optimizer)
-
-
 class _WholeStepOptimization(_AutomaticOptimization):
     """Lightning's automatic optimization with the whole step captured once and replayed."""
 
@@ -406,13 +399,15 @@ class _WholeStepOptimization(_AutomaticOptimization):
         grapher = self.grapher
         if grapher.failed:
             return self.eager_step(optimizer, batch_idx, kwargs, "capture failed (on_failure='eager')")
-        groups = _unwrap(optimizer).param_groups
+        groups = unwrap(optimizer).param_groups
         grapher.setup.adopt_lrs(groups)  # also on eager steps: they and a later capture read the same lr tensors
         leaves, spec = tree_flatten(kwargs["batch"])
         key = batch_key(leaves, spec)
         if grapher.graph is not None:
             if grapher.attributes is not None:
-                grapher.attributes.rebind_written()  # an eager step since the last replay rebound them
+                # An eager step since the last replay rebound them; a replay runs no Python, so this is the
+                # one place they need binding again.
+                grapher.attributes.rebind_written()
             change = grapher.setup.change(self.trainer.lightning_module, groups, batch_idx)
             if change is not None:
                 grapher.drop_for_recapture(*change)

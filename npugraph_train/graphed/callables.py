@@ -325,9 +325,13 @@ class _CapturedSignature:
         self.bwd_graph.reset()
         self.released = True
 
-    def backward_pending(self) -> bool:
+    def pending_ctx(self) -> Any:
+        """The autograd context of this signature's call whose backward has not run yet, or None."""
         entry = self.pool_order.pending.get(id(self))
-        return entry is not None and entry[1]() is not None
+        return entry[1]() if entry is not None else None
+
+    def backward_pending(self) -> bool:
+        return self.pending_ctx() is not None
 
     def update(self, cpu_update_input: Union[List[Dict[str, Any]], Dict[str, List[Dict[str, Any]]]]) -> None:
         per_graph = cpu_update_input if isinstance(cpu_update_input, dict) else {
@@ -432,8 +436,7 @@ class GraphedCallable:
                 self._failed[key] = f"capturing signature {_describe(key)} failed: {exc}"
                 return self._eager(self._failed[key], args, kwargs)
         if not sig.pool_order.may_replay(sig.order):
-            if sig.backward_pending() and getattr(sig.pool_order.pending[id(sig)][1](), "in_checkpoint", False) \
-                    and torch._C._current_graph_task_id() != -1:
+            if getattr(sig.pending_ctx(), "in_checkpoint", False) and torch._C._current_graph_task_id() != -1:
                 # Eager here would save tensors the graphed call never saved: the checkpoint's recompute
                 # would hand later ops the wrong ones (or raise CheckpointError).
                 raise GraphStateError(

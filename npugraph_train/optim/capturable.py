@@ -39,8 +39,9 @@ _CAPTURABLE_FLAG = (Adam, AdamW, Adamax, NAdam, RAdam, RMSprop, Rprop, ASGD, Ada
 _DEVICE_CHECK_MODULES = ("adam", "adamax", "nadam", "radam", "rmsprop", "rprop", "asgd", "adadelta")
 
 
-def _unwrap(optimizer: Any) -> Optimizer:
-    return getattr(optimizer, "_optimizer", optimizer)  # LightningOptimizer
+def unwrap(optimizer: Any) -> Optimizer:
+    """The torch optimizer behind a LightningOptimizer (or the optimizer itself)."""
+    return getattr(optimizer, "_optimizer", optimizer)
 
 
 def _params(optimizer: Optimizer) -> List[torch.Tensor]:
@@ -179,7 +180,7 @@ def plain_scheduler_state(scheduler: Any, state: Dict[str, Any]) -> Dict[str, An
     optimizer they would become its lr, which torch's foreach step refuses unless capturable. Groups whose
     lr the user made a tensor keep it.
     """
-    opt = _unwrap(getattr(scheduler, "optimizer", None))
+    opt = unwrap(getattr(scheduler, "optimizer", None))
     if not isinstance(opt, CapturableOptimizer):
         return state
     floats = [plain["float_lr"] for plain in opt._plain_settings]
@@ -207,7 +208,7 @@ def _capturable_class(cls: Type[Optimizer]) -> Type[Optimizer]:
 
 def check_capture_safe(optimizer: Any, tensor_lr_needed: bool) -> None:
     """Raise ``MisconfigurationException`` unless ``optimizer.step()`` can be captured as it is."""
-    opt = _unwrap(optimizer)
+    opt = unwrap(optimizer)
     name = type(opt).__name__
     if isinstance(opt, CapturableOptimizer):
         return
@@ -277,7 +278,7 @@ def make_capturable(optimizer: Any, device: Optional[torch.device] = None) -> An
     Calling it again (e.g. after ``load_state_dict`` restored state on another device) moves learning
     rates and step counts to the parameters' device again.
     """
-    opt = _unwrap(optimizer)
+    opt = unwrap(optimizer)
     if not isinstance(opt, CapturableOptimizer):
         _refuse_unsupported(opt)
         plain = [_plain_settings(group) for group in opt.param_groups]
