@@ -10,7 +10,7 @@ from omegaconf import OmegaConf
 import npugraph_train as ngt
 from npugraph_train import NPUGraphCallback, NPUGraphConfig
 
-from .lightning_models import Regressor, fit, loaders, trainer
+from .lightning_models import Block, Regressor, fit, loaders, trainer
 
 
 def _same_params(a, b):
@@ -374,7 +374,8 @@ def test_the_training_call_is_captured_not_an_earlier_one_that_trains_nothing(mo
     assert _same_params(eager, graphed)
     row = callback.report()[0]
     assert row["signatures"][0]["description"] == "(float32[8, 8]*)", "the input of the call that trains"
-    assert row["replays"] == 9  # 12 steps: 2 warmup, one short batch
+    # 12 steps: 2 warmup, one short batch; the call that trains nothing replays the same graphs
+    assert row["replays"] == 2 * 9 and sum(row["eager_calls"].values()) == 2 + 2  # validation, short batch
 
 
 @ngt.graph_safe
@@ -402,3 +403,23 @@ def test_self_attention_called_with_one_tensor_three_times():
     eager, graphed = _fit_new(Attends, []), _fit_new(Attends, [callback])
     assert _same_params(eager, graphed)
     assert callback.report()[0]["replays"] == 9  # 12 steps: 2 warmup, one short batch
+
+
+class BuiltInConfigureModel(Regressor):
+    """Blocks made in configure_model (Lightning's place for large models), after callbacks' setup ran."""
+
+    def __init__(self):
+        super().__init__(depth=0)
+
+    def configure_model(self):
+        if not len(self.blocks):
+            torch.manual_seed(7)
+            self.blocks.extend(Block(8) for _ in range(2))
+
+
+@pytest.mark.parametrize("modules", [[], ["blocks.*"]])
+def test_blocks_built_in_configure_model_are_graphed(modules):
+    callback = NPUGraphCallback(warmup_steps=2, modules=modules)
+    eager, graphed = _fit_new(BuiltInConfigureModel, []), _fit_new(BuiltInConfigureModel, [callback])
+    assert _same_params(eager, graphed)
+    assert [(row["module"], row["replays"]) for row in callback.report()] == [("blocks.0", 9), ("blocks.1", 9)]

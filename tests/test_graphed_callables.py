@@ -153,7 +153,7 @@ def test_signature_mismatch_runs_eager_with_correct_autograd():
     reference = copy.deepcopy(model)
     ng.make_graphed_callables(model, (torch.zeros(5, 4),))
     state = ng.graphed_state(model)
-    for x in (torch.randn(2, 4), torch.randn(5, 4, requires_grad=True)):
+    for x in (torch.randn(2, 4), torch.randn(3, 4, requires_grad=True)):
         out, grads = _grads_of(model, x)
         ref_out, ref_grads = _grads_of(reference, x)
         assert out.shape == ref_out.shape and torch.equal(out, ref_out)
@@ -161,6 +161,24 @@ def test_signature_mismatch_runs_eager_with_correct_autograd():
     assert state.report()["replays"] == 0
     assert sum(state.eager_calls.values()) == 2
     assert all("max_signatures=1" in reason for reason in state.eager_calls)
+
+
+def test_inputs_that_gain_requires_grad_capture_again_and_serve_both():
+    # an upstream module unfrozen (BackboneFinetuning): the block's input starts requiring grad
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 3), nn.Tanh())
+    reference = copy.deepcopy(model)
+    ng.make_graphed_callables(model, (torch.zeros(5, 4),))
+    state = ng.graphed_state(model)
+    with pytest.warns(RuntimeWarning, match="inputs require grad now that did not at capture"):
+        _grads_of(model, torch.randn(5, 4, requires_grad=True))
+    _grads_of(reference, torch.randn(5, 4, requires_grad=True))
+    for requires_grad in (True, False, True):
+        x = torch.randn(5, 4, requires_grad=requires_grad)
+        (out, grads), (ref_out, ref_grads) = _grads_of(model, x), _grads_of(reference, x)
+        assert torch.equal(out, ref_out) and all(torch.equal(a, b) for a, b in zip(grads, ref_grads))
+    assert [s["description"] for s in state.report()["signatures"]] == ["(float32[5, 4])", "(float32[5, 4]*)"]
+    assert state.report()["replays"] == 4 and not state.eager_calls, "the new graphs serve calls without grad too"
 
 
 def test_signature_cache_captures_up_to_max_signatures():
@@ -178,8 +196,10 @@ def test_signature_cache_captures_up_to_max_signatures():
     assert [s["description"] for s in report["signatures"]] == ["(float32[5, 4])", "(float32[2, 4])"]
     assert [s["replays"] for s in report["signatures"]] == [2, 2]
     assert sum(report["eager_calls"].values()) == 1
-    model(torch.randn(5, 4, requires_grad=True))
-    assert "differs from a captured one only in which inputs require grad" in list(state.eager_calls)[-1]
+    f = ng.make_graphed_callables(torch.mul, (torch.ones(2, requires_grad=True), torch.ones(2)))
+    f(torch.ones(2), torch.ones(2, requires_grad=True))  # neither call's graphs could serve the other
+    assert "differs from a captured one only in which inputs require grad" in list(
+        ng.graphed_state(f).eager_calls)[-1]
 
 
 class Twice(nn.Module):
@@ -428,6 +448,22 @@ class TestUserPatterns:
 
         assert all(torch.equal(a, b) for a, b in zip(train(False), train(True)))
 
+    def test_frozen_backbone_feeds_a_trained_head(self):
+        # frozen after capture, fed inputs that need no grad: plain outputs, as eager gives
+        def train(graphed):
+            torch.manual_seed(0)
+            backbone, head = nn.Sequential(nn.Linear(8, 16), nn.ReLU()), nn.Linear(16, 2)
+            if graphed:
+                ng.make_graphed_callables(backbone, (torch.zeros(4, 8),))
+            backbone.requires_grad_(False)
+            for _ in range(2):
+                feats = backbone(torch.randn(4, 8))
+                assert not feats.requires_grad and feats.grad_fn is None
+                head(feats).square().mean().backward()
+            return head.weight.grad
+
+        assert torch.equal(train(False), train(True))
+
     def test_frozen_module_outputs_survive_the_next_call(self):
         target = ng.make_graphed_callables(nn.Linear(4, 4), (torch.zeros(3, 4),)).requires_grad_(False)
         first = target(torch.ones(3, 4))  # grad mode, but nothing requires grad: no backward follows
@@ -457,12 +493,15 @@ class TestUserPatterns:
         with pytest.raises(ng.GraphStateError, match="head: backward of a call made before its graphs were released"):
             out.backward()
 
-    @pytest.mark.parametrize("change", ["freeze_bn", "eval_bn"])
-    def test_submodule_settings_changed_after_capture_capture_again(self, change):
-        # BaseFinetuning.freeze(train_bn=False) stops BatchNorm statistics; a frozen backbone's BN in eval
+    @pytest.mark.parametrize("change, message", [("freeze_bn", "1.track_running_stats changed from True to False"),
+                                                 ("eval_bn", "1.training changed from True to False"),
+                                                 ("dropout_p", "3.p changed from 0.5 to 0.0")])
+    def test_submodule_settings_changed_after_capture_capture_again(self, change, message):
+        # BaseFinetuning.freeze(train_bn=False) stops BatchNorm statistics; a frozen backbone's BN in eval; a
+        # dropout schedule
         def train(graphed):
             torch.manual_seed(0)
-            model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), nn.Tanh())
+            model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), nn.Tanh(), nn.Dropout(0.5))
             if graphed:
                 ng.make_graphed_callables(model, (torch.zeros(3, 4, requires_grad=True),))
             torch.manual_seed(1)
@@ -470,13 +509,15 @@ class TestUserPatterns:
                 if step == 2 and change == "freeze_bn":
                     model.requires_grad_(False)
                     model[1].track_running_stats = False
-                elif step == 2:
+                elif step == 2 and change == "eval_bn":
                     model[1].eval()
+                elif step == 2:
+                    model[3].p = 0.0
                 model(torch.randn(3, 4, requires_grad=True)).sum().backward()
             return model
 
         eager = train(False)
-        with pytest.warns(RuntimeWarning, match="submodules changed train/eval mode or BatchNorm settings"):
+        with pytest.warns(RuntimeWarning, match=f"Sequential: {message}; its graphs are captured again"):
             graphed = train(True)
         _assert_same_state(eager, graphed)
         signatures = ng.graphed_state(graphed).report()["signatures"]
@@ -764,3 +805,125 @@ class TestMarker:
             ng.graph_safe(max_signatures=0)
         with pytest.raises(TypeError, match="nn.Module"):
             ng.graph_safe(lambda x: x)
+
+
+class RunningMean(nn.Module):
+    """Keeps a statistic of its outputs in a buffer, updated in place (or rebound, which no graph can replay)."""
+
+    def __init__(self, rebind=False):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.rebind = rebind
+        self.register_buffer("avg", torch.zeros(4))
+
+    def forward(self, x):
+        y = self.lin(x)
+        if self.rebind:
+            self.avg = 0.9 * self.avg + 0.1 * y.detach().mean(0)
+        else:
+            self.avg.mul_(0.9).add_(y.detach().mean(0), alpha=0.1)
+        self.last = y.detach()  # written only: holds each call's value
+        return y
+
+
+class TestModuleState:
+    """What a graph bakes in of a module besides its inputs: attributes, parameters, settings, layout."""
+
+    def test_state_updated_in_place_and_written_attributes_follow_eager(self):
+        eager, graphed = RunningMean(), RunningMean()
+        graphed.load_state_dict(eager.state_dict())
+        ng.make_graphed_callables(graphed, (torch.zeros(3, 4, requires_grad=True),))
+        assert torch.equal(graphed.avg, torch.zeros(4)), "warmup leaves no trace"
+        for step in range(3):
+            x = torch.randn(3, 4, requires_grad=True)
+            if step == 1:
+                with torch.no_grad():
+                    graphed.eval(), eager.eval()
+                    graphed(x), eager(x)  # eager: rebinds graphed.last to its own tensor
+                    graphed.train(), eager.train()
+            eager(x).sum().backward()
+            graphed(x).sum().backward()
+            assert torch.equal(eager.avg, graphed.avg) and torch.equal(eager.last, graphed.last)
+        assert ng.graphed_state(graphed).report()["replays"] == 3
+
+    def test_state_carried_by_rebinding_is_refused_and_left_as_it_was(self):
+        model = RunningMean(rebind=True)
+        before = model.avg
+        with pytest.raises(ng.GraphCaptureError, match=r"RunningMean: its forward carries state from call to call "
+                                                       r"in avg.*self.avg.mul_\(0.9\)"):
+            ng.make_graphed_callables(model, (torch.zeros(3, 4, requires_grad=True),))
+        assert model.avg is before and torch.equal(before, torch.zeros(4))
+        assert "forward" not in model.__dict__
+
+    def test_failed_capture_names_unused_parameters_and_restores_the_rng(self):
+        model = nn.ModuleDict({"used": nn.Linear(4, 4), "spare": nn.Linear(4, 4)})
+        model.forward = lambda x: nn.functional.dropout(model["used"](x), 0.5)
+        state = torch.get_rng_state()
+        with pytest.raises(ng.GraphCaptureError, match=r"parameter 'spare.weight', parameter 'spare.bias' require "
+                                                       r"grad but do not reach its outputs.*allow_unused_input=True"):
+            ng.make_graphed_callables(model, (torch.zeros(3, 4),))
+        assert torch.equal(torch.get_rng_state(), state)
+
+    def test_tensors_that_require_grad_outside_the_module_are_refused(self):
+        lin = nn.Linear(4, 4)
+        with pytest.raises(ng.GraphCaptureError, match=r"uses 2 tensor\(s\) that require grad but are neither its "
+                                                       r"arguments nor its parameters"):
+            ng.make_graphed_callables(lambda x: lin(x).relu(), (torch.zeros(3, 4),))
+
+    def test_a_forward_patched_on_the_instance_is_captured_and_kept(self):
+        torch.manual_seed(0)
+        model = nn.Linear(4, 4)
+        model.forward = lambda x: nn.functional.linear(x, model.weight, model.bias) * 2
+        x = torch.randn(3, 4)
+        expected = model(x)
+        ng.make_graphed_callables(model, (x,))
+        assert torch.equal(model(x), expected) and ng.graphed_state(model).report()["replays"] == 1
+        assert torch.equal(copy.deepcopy(model)(x), expected)
+        ng.ungraph(model)
+        assert torch.equal(model(x), expected)
+
+    def test_replaced_parameters_run_eager(self):
+        torch.manual_seed(0)
+        model = ng.make_graphed_callables(nn.Linear(4, 4), (torch.zeros(3, 4),))
+        x = torch.randn(3, 4)
+        new = {k: torch.randn_like(v, requires_grad=True) for k, v in model.named_parameters()}
+        with pytest.warns(RuntimeWarning, match="its parameters were replaced after capture"):
+            out = torch.func.functional_call(model, new, (x,))
+        assert torch.equal(out, nn.functional.linear(x, new["weight"], new["bias"]))
+        out.sum().backward()
+        assert new["weight"].grad is not None
+        model.load_state_dict({k: torch.ones_like(v) for k, v in model.state_dict().items()}, assign=True)
+        assert torch.equal(model(x), nn.functional.linear(x, model.weight, model.bias))
+        assert sum(ng.graphed_state(model).eager_calls.values()) == 2
+
+    def test_sparse_gradients_are_refused(self):
+        with pytest.raises(ng.GraphCaptureError, match=r"Embedding makes sparse gradients \(sparse=True\).*sparse=False"):
+            ng.make_graphed_callables(nn.Embedding(10, 4, sparse=True), (torch.zeros(3, dtype=torch.long),),
+                                      names=["Embedding"])
+
+    def test_memory_layout_is_part_of_the_signature(self):
+        torch.manual_seed(0)
+        conv = nn.Conv2d(3, 4, 3)
+        reference = copy.deepcopy(conv)
+        ng.make_graphed_callables(conv, (torch.zeros(2, 3, 8, 8).contiguous(memory_format=torch.channels_last),))
+        for layout in (torch.channels_last, torch.contiguous_format):
+            x = torch.randn(2, 3, 8, 8).contiguous(memory_format=layout)
+            out, ref = conv(x), reference(x)
+            assert torch.equal(out, ref) and out.stride() == ref.stride()
+        state = ng.graphed_state(conv)
+        assert state.report()["replays"] == 1
+        assert "differs from a captured one only in memory layout" in list(state.eager_calls)[0]
+        # an expanded input is copied densely, as its sample was: the same signature
+        attn = ng.make_graphed_callables(nn.Linear(4, 4), (torch.zeros(2, 3, 4),))
+        attn(torch.randn(2, 1, 4).expand(-1, 3, -1))
+        assert ng.graphed_state(attn).report()["replays"] == 1
+
+    def test_backwards_out_of_capture_order_in_one_pool_are_refused(self):
+        first, second = ng.make_graphed_callables((nn.Linear(4, 4), nn.Linear(4, 4)),
+                                                  ((torch.zeros(3, 4),), (torch.zeros(3, 4),)), names=["a", "b"])
+        loss_a, loss_b = first(torch.randn(3, 4)).sum(), second(torch.randn(3, 4)).sum()
+        with pytest.raises(ng.GraphStateError, match="a: its backward ran while b, captured after it into the same "
+                                                     "memory pool, still waits"):
+            loss_a.backward()
+        loss_b.backward()  # in order, both work
+        (first(torch.randn(3, 4)).sum() + second(torch.randn(3, 4)).sum()).backward()

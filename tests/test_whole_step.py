@@ -1,5 +1,6 @@
 import linecache
 import re
+import warnings
 
 import lightning.pytorch as pl
 import pytest
@@ -752,6 +753,22 @@ def test_reading_global_step_during_capture_warns_at_the_line(owner):
     assert warning.filename == __file__ and "global_step" in linecache.getline(__file__, warning.lineno)
     assert isinstance(pl.LightningModule.__dict__["global_step"], property) and Ramp().global_step == 0
     assert isinstance(pl.Trainer.__dict__["global_step"], property)
+
+
+def test_using_batch_idx_during_capture_warns_at_the_line():
+    class EveryOther(Scheduled):
+        def training_step(self, batch, batch_idx):
+            loss = super().training_step(batch, batch_idx)  # passing it on is no use of its value
+            return loss * 2 if batch_idx % 2 else loss
+
+    torch.manual_seed(0)
+    with pytest.warns(RuntimeWarning, match=r"reads batch_idx \(3\) on the host: every replay") as record:
+        trainer([NPUGraphCallback(mode="whole_step")], max_steps=5).fit(EveryOther(), *loaders())
+    [warning] = [w for w in record if "batch_idx" in str(w.message)]
+    assert warning.filename == __file__ and "batch_idx %" in linecache.getline(__file__, warning.lineno)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*batch_idx.*")
+        trainer([NPUGraphCallback(mode="whole_step")], max_steps=5).fit(Scheduled(), *loaders())
 
 
 def test_python_values_returned_from_training_step_warn():

@@ -111,9 +111,11 @@ class NPUGraphCallback(Callback):
             self._whole.check_trainer(trainer, pl_module)
         else:
             self._grapher = SubmoduleGrapher(self.config, backend)
-            self._grapher.setup(pl_module)
 
     def on_fit_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        if self._grapher is not None:
+            # Not at setup: the module's own setup() and configure_model() build layers after callbacks' setup.
+            self._grapher.setup(pl_module)
         if self._whole is not None:
             self._whole.prepare_optimizers(trainer)
             self._whole.install(trainer)

@@ -35,12 +35,13 @@ from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 from ..config import NPUGraphConfig
 from ..graphed import Graph, GraphCaptureError, graph
 from ..graphed.backends import Backend
+from ..graphed.state_attributes import StateAttributes, tensors_in
 from ..graphed.user_code import warn_at_user_code
 from ..optim import check_capture_safe, clip_grad_norm_, make_capturable, unwrap
 from .batch import (MAX_CAPTURE_DELAY, VALUES_DIFFER, BatchKey, batch_key, describe, ready_to_capture,
                     values_differ)
-from .step_checks import (BakedSetup, StateAttributes, is_metric, python_outputs, rebinding_error,
-                          tensors_in, watch_host_counters)
+from .step_checks import (BakedSetup, WatchedIndex, is_metric, python_outputs, rebinding_error,
+                          watch_host_counters)
 
 # The LightningModule method that maps a batch to the cpu_update_input of its graphs (auto_dispatch_capture).
 UPDATE_HOOK = "npugraph_update_input"
@@ -242,6 +243,8 @@ class WholeStepGrapher:
         key = batch_key(leaves, spec)
         static_kwargs = OrderedDict(kwargs)
         static_kwargs["batch"] = tree_unflatten(self.static_leaves, spec)
+        if "batch_idx" in static_kwargs:
+            static_kwargs["batch_idx"] = WatchedIndex(static_kwargs["batch_idx"], self._warn_host_read)
         optimizer.zero_grad(set_to_none=True)  # backward allocates the gradients inside the graph
         self.logs = _LogRecorder(module)
         module.log = self.logs

@@ -30,7 +30,9 @@ and safer than both:
 """
 from __future__ import annotations
 
+import copy
 import itertools
+import operator
 import time
 import types
 import weakref
@@ -46,6 +48,7 @@ from torch.utils.hooks import RemovableHandle
 from .backends import Backend, get_backend
 from .errors import GraphCaptureError, GraphStateError
 from .graphs import Graph, graph
+from .state_attributes import StateAttributes, StorageReads, tensors_in
 from .user_code import warn_at_user_code
 
 _batch_ids = itertools.count()
@@ -55,10 +58,32 @@ _GLOBAL_HOOK_KINDS = tuple(f"_global{kind}" for kind in MODULE_HOOK_KINDS)
 _MODE_DIFFERS = "train/eval mode differs from capture (validation and test run eager by design)"
 
 
+_SETTING_TYPES = (bool, int, float, str, type(None))
+# nn.Module's own bookkeeping (hook flags and the like), which is not a setting of the forward.
+_MODULE_INTERNALS = frozenset(nn.Module().__dict__) - {"training"}
+
+
+def _setting_names(module: nn.Module) -> Tuple[str, ...]:
+    return tuple(k for k, v in module.__dict__.items() if type(v) in _SETTING_TYPES and k not in _MODULE_INTERNALS)
+
+
 def _is_constant(leaf: Any) -> bool:
     # None (an optional argument left out) and flags such as is_causal=False are part of the call's
     # structure: captured as they are, and a call with another value is another signature.
     return leaf is None or isinstance(leaf, bool)
+
+
+def _layout(t: torch.Tensor) -> Optional[tuple]:
+    # Kernels may pick another algorithm for another layout (a transposed or channels_last input): a
+    # replay on a copy in the capture's layout would not give eager's bits. The layout is that of the static
+    # copy a call's tensor would get (clone keeps a dense layout, densifies an expanded one); strides of
+    # size-1 dims say nothing.
+    if t.is_contiguous():
+        return None
+    copy_strides = torch.empty_like(t, device="meta").stride()
+    if torch.empty(t.shape, device="meta").stride() == copy_strides:
+        return None
+    return tuple(stride if size > 1 else 0 for size, stride in zip(t.shape, copy_strides))
 
 
 def _leaf_signature(t: Any) -> Any:
@@ -66,7 +91,7 @@ def _leaf_signature(t: Any) -> Any:
         return ("constant", t)
     if not isinstance(t, torch.Tensor):
         return ("non-tensor", type(t).__name__)
-    return (tuple(t.shape), t.dtype, t.device, t.requires_grad)
+    return (tuple(t.shape), t.dtype, t.device, t.requires_grad, _layout(t))
 
 
 def _unique_tensors(leaves: Sequence[Any]) -> List[torch.Tensor]:
@@ -108,8 +133,9 @@ def _describe(signature: tuple) -> str:
         elif leaf[0] == "non-tensor":
             parts.append(leaf[1])
         else:
-            shape, dtype, _, requires_grad = leaf
-            parts.append(f"{str(dtype).replace('torch.', '')}{list(shape)}{'*' if requires_grad else ''}")
+            shape, dtype, _, requires_grad, layout = leaf
+            parts.append(f"{str(dtype).replace('torch.', '')}{list(shape)}{'*' if requires_grad else ''}"
+                         + (f" strides {list(layout)}" if layout else ""))
     enabled, dtype = signature[2]
     frozen = signature[3].count(False)
     return (f"({', '.join(parts)})" + (f" autocast {str(dtype).replace('torch.', '')}" if enabled else "")
@@ -118,16 +144,29 @@ def _describe(signature: tuple) -> str:
 
 
 def _difference_hint(key: tuple, captured: Iterable[tuple]) -> str:
-    def without_grad(signature: tuple) -> tuple:
-        return signature[0], tuple(leaf[:3] if len(leaf) == 4 else leaf for leaf in signature[1]), signature[2:]
+    def without(position: int, signature: tuple) -> tuple:
+        leaves = tuple(leaf[:position] + leaf[position + 1:] if len(leaf) == 5 else leaf for leaf in signature[1])
+        return signature[0], leaves, signature[2:]
 
     captured = list(captured)
-    if any(without_grad(key) == without_grad(other) for other in captured):
+    if any(without(3, key) == without(3, other) for other in captured):
         return "; it differs from a captured one only in which inputs require grad (marked *)"
+    if any(without(4, key) == without(4, other) for other in captured):
+        return ("; it differs from a captured one only in memory layout (strides): pass inputs laid out as at "
+                "capture (e.g. .contiguous())")
     if any(key[:4] == other[:4] for other in captured):
         return ("; it differs from a captured one only in which arguments are one tensor (pass the same tensor "
                 "objects in the same places as at capture)")
     return ""
+
+
+def _serves(captured: tuple, key: tuple) -> bool:
+    """The graphs of signature ``captured`` can replay a call of signature ``key``: the same but for inputs that
+    require grad there and not here (a frozen upstream module); autograd drops the gradients they get."""
+    if captured[0] != key[0] or captured[2:] != key[2:] or len(captured[1]) != len(key[1]):
+        return False
+    return all(was == now or (len(was) == 5 and len(now) == 5 and was[3] and not now[3]
+                              and was[:3] == now[:3] and was[4] == now[4]) for was, now in zip(captured[1], key[1]))
 
 
 def _within(flags: Tuple[bool, ...], captured: Tuple[bool, ...]) -> bool:
@@ -166,7 +205,7 @@ class _PoolOrder:
     """
 
     def __init__(self) -> None:
-        self.pending: Dict[int, Tuple[Tuple[int, int], Any]] = {}
+        self.pending: Dict[int, Tuple[Tuple[int, int], Any, str]] = {}
 
     @staticmethod
     def of(pool: Any) -> "_PoolOrder":
@@ -175,8 +214,15 @@ class _PoolOrder:
             order = _pool_orders[pool] = _PoolOrder()
         return order
 
+    def pending_after(self, order: Tuple[int, int]) -> Optional[str]:
+        """The name of a callable captured after ``order`` in the same batch whose backward is still pending."""
+        for other, ctx_ref, name in self.pending.values():
+            if other[0] == order[0] and other[1] > order[1] and ctx_ref() is not None:
+                return name
+        return None
+
     def may_replay(self, order: Tuple[int, int]) -> bool:
-        for key, (other, ctx_ref) in list(self.pending.items()):
+        for key, (other, ctx_ref, _) in list(self.pending.items()):
             if ctx_ref() is None:  # its autograd graph was dropped without a backward
                 del self.pending[key]
             elif other[0] != order[0] or other[1] >= order[1]:
@@ -219,6 +265,7 @@ class _CapturedSignature:
         self.static_grad_outputs: Tuple[Optional[torch.Tensor], ...] = ()
         self.static_grad_inputs: Tuple[Optional[torch.Tensor], ...] = ()
         self.function: Any = None
+        self.attributes: Optional[StateAttributes] = None  # attributes the forward only writes, if any
 
     @property
     def surface(self) -> Tuple[torch.Tensor, ...]:
@@ -226,15 +273,55 @@ class _CapturedSignature:
 
     def warmup(self) -> None:
         surface = self.surface
-        for _ in range(self.owner.num_warmup_iters):
+        for iteration in range(self.owner.num_warmup_iters):
             args, kwargs = tree_unflatten(self.leaves, self.spec)
             outputs = [o for o in tree_flatten(self.owner.call_original(*args, **kwargs))[0]
                        if isinstance(o, torch.Tensor) and o.requires_grad]
+            if iteration == 0:
+                self._check_leaves(outputs)
             inputs = tuple(i for i in surface if i.requires_grad)
             if outputs and inputs:
                 with self.owner.backend.without_autocast():
-                    torch.autograd.grad(outputs, inputs, grad_outputs=[torch.empty_like(o) for o in outputs],
-                                        only_inputs=True, allow_unused=self.owner.allow_unused_input)
+                    grads = torch.autograd.grad(outputs, inputs, grad_outputs=[torch.empty_like(o) for o in outputs],
+                                                only_inputs=True, allow_unused=True)
+                unused = [i for i, g in zip(inputs, grads) if g is None]
+                if unused and not self.owner.allow_unused_input:
+                    raise GraphCaptureError(
+                        f"{self.owner.name}: {self._label(unused)} require grad but do not reach its outputs "
+                        "(unused in this call); pass allow_unused_input=True (@graph_safe(allow_unused_input=True) "
+                        "for the callback), or freeze them (requires_grad_(False))")
+
+    def _label(self, tensors: Sequence[torch.Tensor]) -> str:
+        names = {id(t): f"argument tensor {i}" for i, t in enumerate(self.static_inputs)}
+        if self.owner.is_module:
+            for path, sub in self.owner.func.named_modules():
+                for attr, value in sub.__dict__.items():
+                    names.update((id(t), f"attribute {path + '.' if path else ''}{attr}") for t in tensors_in(value))
+            names.update((id(p), f"parameter {n!r}") for n, p in self.owner.func.named_parameters())
+        shown = [names.get(id(t), f"a tensor of shape {list(t.shape)}") for t in tensors]
+        return ", ".join(shown[:4]) + (f" and {len(shown) - 4} more" if len(shown) > 4 else "")
+
+    def _check_leaves(self, outputs: Sequence[torch.Tensor]) -> None:
+        # Eager autograd would give these tensors gradients; a graph only returns gradients for its inputs and
+        # the module's parameters, so theirs would be dropped without a word.
+        known = {id(t) for t in self.surface}
+        foreign, seen = [], set()
+        stack = [o.grad_fn for o in outputs if o.grad_fn is not None]
+        while stack:
+            node = stack.pop()
+            if node is None or node in seen:
+                continue
+            seen.add(node)
+            leaf = getattr(node, "variable", None)
+            if leaf is not None and id(leaf) not in known:
+                foreign.append(leaf)
+            stack.extend(next_node for next_node, _ in node.next_functions)
+        if foreign:
+            raise GraphCaptureError(
+                f"{self.owner.name}: its forward uses {len(foreign)} tensor(s) that require grad but are neither "
+                f"its arguments nor its parameters ({self._label(foreign)}: e.g. a weight tied through a plain "
+                "attribute, a list or a closure); a graph's backward would drop their gradients. Register them in "
+                "the module (an nn.Parameter attribute or a submodule) or pass them as arguments")
 
     def capture_forward(self) -> None:
         args, kwargs = tree_unflatten(self.leaves, self.spec)
@@ -267,6 +354,8 @@ class _CapturedSignature:
         self.function = self._make_function()
 
     def replay_forward(self, inputs: Sequence[torch.Tensor]) -> None:
+        if self.attributes is not None:  # an eager call (validation) may have bound them to its own tensors
+            self.attributes.rebind_written()
         for static, new in zip(self.static_inputs, inputs):
             if static.data_ptr() != new.data_ptr():
                 static.copy_(new)
@@ -284,7 +373,7 @@ class _CapturedSignature:
             def forward(ctx: Any, *inputs: torch.Tensor) -> Tuple[torch.Tensor, ...]:
                 sig.replay_forward(inputs[:num_user])
                 ctx.replay = sig.replays
-                pool_order.pending[id(sig)] = (sig.order, weakref.ref(ctx))
+                pool_order.pending[id(sig)] = (sig.order, weakref.ref(ctx), name)
                 ctx.in_checkpoint = _in_checkpoint_forward()
                 outputs = tuple(o.detach() for o in sig.static_outputs)
                 ctx.mark_non_differentiable(*(o for o, s in zip(outputs, sig.static_outputs) if not s.requires_grad))
@@ -307,6 +396,14 @@ class _CapturedSignature:
                         "(retain_graph=True, then another call before this backward); run each backward before "
                         f"calling {name} again, or keep {name} eager")
                 pool_order.pending.pop(id(sig), None)
+                later = pool_order.pending_after(sig.order)
+                if later is not None:
+                    raise GraphStateError(
+                        f"{name}: its backward ran while {later}, captured after it into the same memory pool, still "
+                        "waits for its own backward; that graph's activations live in memory this backward reuses. "
+                        "Run backwards in the reverse order of the calls (one backward over the sum of the "
+                        f"losses does), or graph {name} in a pool of its own (a separate make_graphed_callables "
+                        "call)")
                 for static, grad in zip(sig.static_grad_outputs, grads):
                     if static is not None and grad is not None and static.data_ptr() != grad.data_ptr():
                         static.copy_(grad)
@@ -315,7 +412,8 @@ class _CapturedSignature:
                 # Clones, never the static buffers the next replay overwrites (torch issue #181723:
                 # accumulated .grad corrupted). When .grad is None, AccumulateGrad adopts the clone instead
                 # of copying, so the common case costs no extra copy.
-                return tuple(g.clone() if g is not None else None for g in sig.static_grad_inputs)
+                return tuple(g.clone() if g is not None and needed else None
+                             for g, needed in zip(sig.static_grad_inputs, ctx.needs_input_grad))
 
         return Graphed
 
@@ -348,8 +446,9 @@ class _CapturedSignature:
         else:
             # No backward follows (no_grad, or nothing requires grad): copies, so the next replay (the
             # training call after a stop-gradient target) cannot overwrite what this call returned.
-            self.replay_forward(inputs)
-            out = [o.clone() for o in self.static_outputs]
+            with torch.no_grad():  # the static inputs may require grad (graphs that serve training calls too)
+                self.replay_forward(inputs)
+            out = [o.detach().clone() for o in self.static_outputs]
         for position in self.none_outputs:
             out.insert(position, None)
         return tree_unflatten(out, self.output_spec)
@@ -375,10 +474,22 @@ class GraphedCallable:
         self.auto_dispatch_capture = auto_dispatch_capture
         self._pending_update: Any = None
         self.is_module = isinstance(func, nn.Module)
+        # A forward patched on the instance (accelerate-style wrappers) is the one to capture and to restore.
+        self.instance_forward = func.__dict__.get("forward") if self.is_module else None
+        self._original = self.instance_forward or (
+            types.MethodType(type(func).forward, func) if self.is_module else func)
         self.params: Tuple[torch.Tensor, ...] = tuple(func.parameters()) if self.is_module else ()
+        # Where each parameter is registered: load_state_dict(assign=True) and torch.func.functional_call put
+        # other tensors there, which the graphs would never read.
+        slots = [(m._parameters, n, p) for m in (func.modules() if self.is_module else ())
+                 for n, p in m._parameters.items() if p is not None]
+        self._param_dicts, self._param_names, self._param_objects = (list(z) for z in zip(*slots)) if slots else (
+            [], [], [])
         # Hooks of the module itself run around the graphed forward; those of its submodules would not.
         self.submodules = list(func.modules())[1:] if self.is_module else []
-        self._norms = [m for m in self.submodules if isinstance(m, nn.modules.batchnorm._NormBase)]
+        named = list(func.named_modules()) if self.is_module else []
+        self._setting_keys = [(path, m.__dict__, _setting_names(m)) for path, m in named]
+        self._setting_getters = [(d, operator.itemgetter(*keys)) for _, d, keys in self._setting_keys]
         self.settings = self.current_settings()
         self._hook_handles_seen = -1  # RemovableHandle.next_id at the last scan that found no hook
         self.param_flags = self.current_param_flags()
@@ -388,21 +499,33 @@ class GraphedCallable:
         self.stats: Dict[tuple, SignatureStats] = {}
         self.eager_calls: Counter = Counter()
         self._released = False
-        self._warned = False
+        self._warned: set = set()  # kinds of eager reasons warned about
 
     def current_param_flags(self) -> Tuple[bool, ...]:
         return tuple(p.requires_grad for p in self.params)
 
     def current_settings(self) -> tuple:
-        """Python state of the submodules that the graphs bake in: train/eval (dropout, BatchNorm) and how
-        BatchNorms track statistics (finetuning callbacks freeze them; SWA sets momentum=None)."""
-        return (tuple(m.training for m in self.submodules),
-                tuple((m.track_running_stats, m.momentum) for m in self._norms))
+        """The Python settings of the module and its submodules that the graphs bake in: train/eval (dropout,
+        BatchNorm), a Dropout's ``p``, how BatchNorms track statistics (finetuning callbacks freeze them; SWA
+        sets momentum=None): every attribute holding a bool, int, float, str or None."""
+        try:
+            return tuple(get(d) for d, get in self._setting_getters)
+        except KeyError:  # a setting deleted: never equal to what was captured
+            return (object(),)
+
+    def _changed_setting(self, settings: tuple) -> str:
+        for (path, _, keys), old, new in zip(self._setting_keys, self.settings, settings):
+            old, new = (old, new) if len(keys) > 1 else ((old,), (new,))
+            for key, before, now in zip(keys, old, new):
+                if before != now:
+                    return f"{path + '.' if path else ''}{key} changed from {before!r} to {now!r}"
+        return "a submodule setting was deleted"
+
+    def params_in_place(self) -> bool:
+        return all(map(operator.is_, map(dict.get, self._param_dicts, self._param_names), self._param_objects))
 
     def call_original(self, *args: Any, **kwargs: Any) -> Any:
-        if self.is_module:
-            return type(self.func).forward(self.func, *args, **kwargs)
-        return self.func(*args, **kwargs)
+        return self._original(*args, **kwargs)
 
     # calls ---------------------------------------------------------------------------------------
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -416,6 +539,10 @@ class GraphedCallable:
         if hooked:
             return self._eager(f"{hooked} after capture (a replay runs no Python, so the hook would not run); "
                                "ungraph, add hooks, then graph again", args, kwargs)
+        if not self.params_in_place():
+            return self._eager("its parameters were replaced after capture (load_state_dict(assign=True), "
+                               "torch.func.functional_call, a new nn.Parameter assigned), and the graphs read the "
+                               "old ones; ungraph, then graph again", args, kwargs)
         flat, spec = _flatten_call(args, kwargs)
         flags, settings = self.current_param_flags(), self.current_settings()
         gained = flags != self.param_flags and not _within(flags, self.param_flags)
@@ -427,14 +554,26 @@ class GraphedCallable:
         key = _signature(spec, flat, self.backend, self.param_flags)
         sig = self.signatures.get(key)
         if sig is None:
+            key = next((k for k in self.signatures if _serves(k, key)), key)
+            sig = self.signatures.get(key)
+        if sig is None:
+            narrower = next((k for k in self.signatures if _serves(key, k)), None)
+            if narrower is not None and len(self.signatures) >= self.max_signatures:
+                if self.signatures[narrower].backward_pending():
+                    return self._eager("inputs gained requires_grad while a backward of this module was pending",
+                                       args, kwargs)
+                # An upstream module was unfrozen: the new graphs serve the calls of the old ones too.
+                warn_at_user_code(f"npugraph_train: {self.name}: inputs require grad now that did not at capture; "
+                                  "its graphs are captured again for the new setting")
+                self.signatures.pop(narrower).release()
             why_not = self._why_not_capture(key, flat)
             if why_not:
-                return self._eager(why_not, args, kwargs)
+                return self._eager(why_not[1], args, kwargs, kind=why_not[0])
             try:
                 sig = self._capture_new(key, flat, spec)
             except GraphCaptureError as exc:
                 self._failed[key] = f"capturing signature {_describe(key)} failed: {exc}"
-                return self._eager(self._failed[key], args, kwargs)
+                return self._eager(self._failed[key], args, kwargs, kind="capture failed")
         if not sig.pool_order.may_replay(sig.order):
             if getattr(sig.pending_ctx(), "in_checkpoint", False) and torch._C._current_graph_task_id() != -1:
                 # Eager here would save tensors the graphed call never saved: the checkpoint's recompute
@@ -479,24 +618,25 @@ class GraphedCallable:
         self._hook_handles_seen = handles
         return ""
 
-    def _why_not_capture(self, key: tuple, flat: List[Any]) -> str:
+    def _why_not_capture(self, key: tuple, flat: List[Any]) -> Optional[Tuple[str, str]]:
+        """(kind, reason) when a call of a new signature runs eager instead of capturing, else None."""
         if key in self._failed:  # one failed capture of a signature is enough: its calls run eager
-            return self._failed[key]
+            return "capture failed", self._failed[key]
         if len(self.signatures) >= self.max_signatures:
-            return (f"signature {_describe(key)} not captured (max_signatures={self.max_signatures} reached)"
-                    f"{_difference_hint(key, self.signatures)}")
+            return "max_signatures", (f"signature {_describe(key)} not captured (max_signatures={self.max_signatures}"
+                                      f" reached){_difference_hint(key, self.signatures)}")
         if any(not isinstance(t, torch.Tensor) and not _is_constant(t) for t in flat):
-            return f"non-tensor argument in {_describe(key)}"
+            return "non-tensor", f"non-tensor argument in {_describe(key)}"
         if self.backend.is_current_stream_capturing():
-            return "new signature met during another capture"
+            return "nested", "new signature met during another capture"
         if torch.is_inference_mode_enabled():
             # Its static buffers would be inference tensors, which later training calls cannot write.
-            return "new signature met under inference_mode (captured in training or no_grad calls only)"
+            return "inference", "new signature met under inference_mode (captured in training or no_grad calls only)"
         if self.backend.autocast_state()[0] and torch.is_autocast_cache_enabled():
             # The autocast cache would hand the graph this step's casts of the weights forever.
-            return (f"new signature met under autocast with cache_enabled=True (use torch.autocast("
-                    f"'{self.backend.device_type}', ..., cache_enabled=False))")
-        return ""
+            return "autocast", (f"new signature met under autocast with cache_enabled=True (use torch.autocast("
+                                f"'{self.backend.device_type}', ..., cache_enabled=False))")
+        return None
 
     def _drop_signatures_for(self, flags: Tuple[bool, ...], settings: tuple, gained: bool) -> None:
         # Their backward graphs leave out the parameters that require grad now (a finetuning callback unfroze
@@ -505,19 +645,21 @@ class GraphedCallable:
             count = sum(now and not was for now, was in zip(flags, self.param_flags))
             what = f"{count} parameters require grad now and did not at capture"
         else:
-            what = "submodules changed train/eval mode or BatchNorm settings (track_running_stats, momentum)"
+            what = self._changed_setting(settings)
         warn_at_user_code(f"npugraph_train: {self.name}: {what}; its graphs are captured again for the new setting")
         for sig in self.signatures.values():
             sig.release()
         self.signatures.clear()
         self.param_flags, self.settings = flags, settings  # what the next capture sees
 
-    def _eager(self, reason: str, args: tuple, kwargs: dict) -> Any:
-        # Eval-mode calls are eager by design (validation); anything else is worth one warning.
-        if not self._warned and reason != _MODE_DIFFERS:
-            self._warned = True
-            warn_at_user_code(f"npugraph_train: {self.name} ran eager: {reason}. Later eager calls are only "
-                              "counted (graphed_state(...).report())")
+    def _eager(self, reason: str, args: tuple, kwargs: dict, kind: Optional[str] = None) -> Any:
+        # Eval-mode calls are eager by design (validation); anything else is worth one warning per kind of
+        # reason (signatures differ call by call: one warning for all that max_signatures leaves out).
+        kind = kind or reason
+        if kind not in self._warned and reason != _MODE_DIFFERS:
+            self._warned.add(kind)
+            warn_at_user_code(f"npugraph_train: {self.name} ran eager: {reason}. Later eager calls for this reason "
+                              "are only counted (graphed_state(...).report())")
         self.eager_calls[reason] += 1
         return self.call_original(*args, **kwargs)
 
@@ -553,16 +695,29 @@ class GraphedCallable:
 def capture_signatures(sigs: Sequence[_CapturedSignature], key_of: Dict[int, tuple]) -> None:
     """Warm up, then capture forwards in order and backwards in reverse order (torch's pool order).
 
-    RNG state and module buffers are restored after warmup, so warmup leaves no trace. On failure
-    nothing is registered and the error names the callable.
+    RNG state, module buffers and tensor attributes are restored after warmup, so warmup leaves no trace.
+    On failure nothing is registered and the error names the callable.
     """
     owners = [s.owner for s in sigs]
     backend = owners[0].backend
     modules = [o.func for o in owners if o.is_module]
     buffers = [b for m in modules for b in m.buffers()]
     saved_buffers = [b.detach().clone() for b in buffers]
+    before_warmup = [StateAttributes(m) for m in modules]
+    reads = StorageReads()
+    attributes: Dict[int, StateAttributes] = {}
     cpu_rng, device_rng = torch.get_rng_state(), backend.get_rng_state()
     seconds = {id(sig): 0.0 for sig in sigs}
+
+    def restore() -> None:
+        with torch.no_grad():
+            for b, saved in zip(buffers, saved_buffers):
+                b.copy_(saved)
+        for kept in before_warmup:
+            kept.restore()
+        torch.set_rng_state(cpu_rng)
+        if device_rng is not None:
+            backend.set_rng_state(device_rng)
 
     def timed(sig: _CapturedSignature, phase: Callable[[], None]) -> None:
         started = time.perf_counter()
@@ -577,20 +732,27 @@ def capture_signatures(sigs: Sequence[_CapturedSignature], key_of: Dict[int, tup
                 for current in sigs:
                     timed(current, current.warmup)
             backend.synchronize()
-            with torch.no_grad():
-                for b, saved in zip(buffers, saved_buffers):
-                    b.copy_(saved)
-            torch.set_rng_state(cpu_rng)
-            if device_rng is not None:
-                backend.set_rng_state(device_rng)
+            restore()
+            # Taken after warmup, which may have made attributes that the forward then writes on every call.
+            attributes.update((id(o), StateAttributes(o.func, reads)) for o in owners if o.is_module)
+            with reads:
+                for current in sigs:
+                    timed(current, current.capture_forward)
             for current in sigs:
-                timed(current, current.capture_forward)
+                kept = attributes.get(id(current.owner))
+                carried = kept.carried(list(current.static_outputs)) if kept is not None else []
+                if carried:
+                    raise GraphCaptureError(
+                        f"{current.owner.name}: its forward carries state from call to call in "
+                        f"{', '.join(carried)}: it reads the tensor an earlier call stored there and stores a new "
+                        "one (e.g. self.avg = 0.9 * self.avg + ...). A replay runs on the tensors it saw at "
+                        "capture, so it would read the capture-time tensor on every call. Update the state in "
+                        "place (self.avg.mul_(0.9).add_(...)), or keep this module eager")
+                current.attributes = kept if kept is not None and kept.written else None
             for current in reversed(sigs):
                 timed(current, current.capture_backward)
     except (GraphCaptureError, GraphStateError, RuntimeError) as exc:
-        with torch.no_grad():
-            for b, saved in zip(buffers, saved_buffers):
-                b.copy_(saved)
+        restore()
         for s in sigs:
             s.fwd_graph.reset() if s.fwd_graph.is_captured else None
             s.bwd_graph.reset() if s.bwd_graph.is_captured else None
@@ -599,6 +761,7 @@ def capture_signatures(sigs: Sequence[_CapturedSignature], key_of: Dict[int, tup
     for s in sigs:
         key = key_of[id(s)]
         s.owner.signatures[key] = s
+        s.owner.settings = s.owner.current_settings()  # as the capture left them: a forward may set some
         pool_bytes = [g.pool_bytes() for g in (s.fwd_graph, s.bwd_graph)]
         earlier = s.owner.stats.get(key)  # captured before, then dropped (requires_grad changed)
         s.owner.stats[key] = SignatureStats(
@@ -618,15 +781,23 @@ class GraphedForward:
         return self.state(*args, **kwargs)
 
     def __deepcopy__(self, memo: dict) -> Any:
-        copy = memo.get(id(self.state.func))
-        return _plain_forward(copy) if copy is not None else None
+        if self.state.instance_forward is not None:
+            return copy.deepcopy(self.state.instance_forward, memo)
+        module = memo.get(id(self.state.func))
+        return _plain_forward(module) if module is not None else None
 
     def __reduce__(self) -> Any:
+        if self.state.instance_forward is not None:
+            return _same, (self.state.instance_forward,)
         return _plain_forward, (self.state.func,)
 
 
 def _plain_forward(module: nn.Module) -> Callable:
     return types.MethodType(type(module).forward, module)
+
+
+def _same(value: Any) -> Any:
+    return value
 
 
 def _check_callable(func: Callable, name: str, args: tuple, kwargs: Dict[str, Any], backend: Backend) -> None:
@@ -646,6 +817,9 @@ def _check_callable(func: Callable, name: str, args: tuple, kwargs: Dict[str, An
             if sub_name and isinstance(sub.__dict__.get("forward"), GraphedForward):
                 raise GraphStateError(f"{where} is already graphed, inside {name}: graph either the outer module "
                                       f"(after npugraph_train.graphed.ungraph({where})) or the inner one")
+            if getattr(sub, "sparse", False) is True:
+                raise refuse(f"{where} makes sparse gradients (sparse=True), which are built with host syncs that a "
+                             "graph cannot capture; use sparse=False, or leave this module eager")
             hooks = [kind for kind in MODULE_HOOK_KINDS if getattr(sub, kind, None)]
             if hooks:
                 raise refuse(f"{where} has module hooks ({', '.join(h.strip('_') for h in hooks)}); hooks run "
@@ -767,4 +941,6 @@ def ungraph(obj: Any) -> Any:
     state.release()
     if isinstance(obj, nn.Module):
         del obj.forward
+        if state.instance_forward is not None:
+            obj.forward = state.instance_forward
     return obj

@@ -1,0 +1,163 @@
+"""Tensors kept in module attributes across a capture: which ones a captured region carries state in.
+
+A graph replays on the tensors it saw at capture. Code that stores a new tensor in a module attribute on
+every call (``self.avg = 0.9 * self.avg + ...``) works eagerly and silently stops working under a graph:
+each replay reads the capture-time tensor again. :class:`StateAttributes` tells such attributes from those
+only written (a cache recomputed each call), by whether the captured ops read the old tensors. Used by the
+graphed callables (a module's forward) and the whole-step capture (``training_step``).
+"""
+from __future__ import annotations
+
+from typing import Any, List, Optional, Tuple
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+
+def _recomputed_by_hooks(module: torch.nn.Module) -> set:
+    """Attributes a forward pre-hook sets from parameters on every call (torch.nn.utils.prune, weight_norm,
+    spectral_norm): rebinding them inside the step is how they work, and the graph recomputes them."""
+    names = set()
+    for hook in module._forward_pre_hooks.values():
+        names.update(n for n in (getattr(hook, "_tensor_name", None), getattr(hook, "name", None))
+                     if isinstance(n, str))
+    return names
+
+
+def tensors_in(value: Any) -> List[torch.Tensor]:
+    """The tensors in a tensor, or in (nested) lists, tuples and dicts."""
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (list, tuple, dict)):
+        return [leaf for leaf in tree_flatten(value)[0] if isinstance(leaf, torch.Tensor)]
+    return []
+
+
+# A container's structure and leaves (nested lists, tuples, dicts), to compare by position and identity.
+_Snapshot = Optional[Tuple[Any, tuple]]
+
+
+def _snapshot(value: Any) -> _Snapshot:
+    if isinstance(value, (list, tuple, dict)):
+        leaves, spec = tree_flatten(value)
+        return spec, tuple(leaves)
+    return None
+
+
+def _leaves(value: Any, snapshot: _Snapshot) -> tuple:
+    return snapshot[1] if snapshot is not None else (value,)
+
+
+def _unchanged(value: Any, snapshot: _Snapshot, now: Any) -> bool:
+    if now is not value:
+        return False
+    current = _snapshot(now)
+    return snapshot is None or (current is not None and current[0] == snapshot[0]
+                                and all(a is b for a, b in zip(current[1], snapshot[1])))
+
+
+def _refill(value: Any, snapshot: _Snapshot) -> None:
+    """Give a list or dict mutated in place its snapshot's contents again (tuples cannot change)."""
+    if snapshot is None or not isinstance(value, (list, dict)):
+        return
+    contents = tree_unflatten(list(snapshot[1]), snapshot[0])
+    if isinstance(value, list):
+        value[:] = contents
+    else:
+        value.clear()
+        value.update(contents)
+
+
+def _storage(t: torch.Tensor) -> Optional[int]:
+    # Wrapper subclasses (float8 tensors), sparse and empty tensors have no storage address to compare.
+    if not torch._C._has_storage(t) or t.layout != torch.strided or t.numel() == 0:
+        return None
+    try:
+        return t.untyped_storage().data_ptr()
+    except RuntimeError:
+        return None
+
+
+class StorageReads(TorchDispatchMode):
+    """The storages that the captured ops take as inputs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.read: set = set()
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
+        for leaf in tree_flatten((args, kwargs))[0]:
+            if isinstance(leaf, torch.Tensor):
+                self.read.add(_storage(leaf))
+        return func(*args, **(kwargs or {}))
+
+
+class StateAttributes:
+    """Tensors kept in module attributes (buffers, tensors and lists, tuples, dicts of them) across a capture.
+
+    A step that rebinds such an attribute either only writes it (a cache recomputed every forward, a
+    stored attention map, ``self.last_loss = loss.detach()``): the new binding is a tensor the graph
+    rewrites on every replay, bound to it again before each replay; or carries state from step to step
+    (``self.ema = 0.9 * self.ema + ...``, an RNN's hidden state, torchmetrics' ``update``, appending to a
+    list): a replay would read the capture-time tensor again, so the attribute is put back and the
+    capture refused. Which one is told by whether the captured ops read the old tensors.
+    """
+
+    def __init__(self, root: torch.nn.Module, reads: Optional["StorageReads"] = None) -> None:
+        self.root = root
+        self.reads = reads if reads is not None else StorageReads()  # enter around the capture
+        # (module path, module, "_buffers" or "__dict__", attribute, value, its snapshot)
+        self._before: List[Tuple[str, torch.nn.Module, str, str, Any, _Snapshot]] = []
+        for path, module in root.named_modules():
+            skip = _recomputed_by_hooks(module) if module._forward_pre_hooks else ()
+            for where in ("_buffers", "__dict__"):
+                for attr, value in getattr(module, where).items():
+                    if where == "__dict__" and attr in ("_parameters", "_buffers", "_modules"):
+                        continue  # nn.Module's own registries: their entries are tracked one by one
+                    if attr not in skip and (tensors_in(value) or (isinstance(value, (list, dict)) and not value)):
+                        self._before.append((path, module, where, attr, value, _snapshot(value)))
+        # Written-only attributes, as the capture left them: bound again before every replay.
+        self.written: List[Tuple[torch.nn.Module, str, str, Any, _Snapshot]] = []
+
+    def carried(self, escaped: List[torch.Tensor]) -> List[str]:
+        """After capture: put back and name the attributes the step carried state in; note the others.
+
+        ``escaped``: the tensors the step logged or returned; an old value among them is read on the host
+        after each step (``self.log("prev", self.prev); self.prev = loss``), which a replay would not refresh.
+        """
+        carried = []
+        for path, module, where, attr, value, snapshot in self._before:
+            now = getattr(module, where).get(attr)
+            if _unchanged(value, snapshot, now):
+                continue
+            before, after = _leaves(value, snapshot), _leaves(now, _snapshot(now))
+            # Tensors left where they were are no state change; the others were replaced or moved.
+            old = [t for i, t in enumerate(before) if isinstance(t, torch.Tensor)
+                   and not (i < len(after) and after[i] is t)]
+            new = [t for t in after if isinstance(t, torch.Tensor) and not any(t is b for b in before)]
+            if not old and not new:
+                continue  # Python values added or changed: not tensor state
+            grew = len(after) > len(before) and bool(new)  # appended: a replay would not append again
+            moved = [t for t in old if any(t is a for a in after)]  # a shifted window
+            read = [t for t in old if (_storage(t) is not None and _storage(t) in self.reads.read)
+                    or any(t is e for e in escaped)]
+            if grew or moved or read:
+                carried.append(f"{path}.{attr}" if path else attr)
+                getattr(module, where)[attr] = value
+                _refill(value, snapshot)
+            else:
+                self.written.append((module, where, attr, now, _snapshot(now)))
+        return carried
+
+    def restore(self) -> None:
+        """Bind every attribute to what it held before (eager warmup calls may have rebound them)."""
+        for _, module, where, attr, value, snapshot in self._before:
+            getattr(module, where)[attr] = value
+            _refill(value, snapshot)
+
+    def rebind_written(self) -> None:
+        """Bind written-only attributes to the graph's tensors again (an eager step may have rebound them)."""
+        for module, where, attr, value, snapshot in self.written:
+            getattr(module, where)[attr] = value
+            _refill(value, snapshot)
