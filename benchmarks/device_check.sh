@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Issue 6's device run as one command, for a GPU or NPU machine that is lent for minutes:
+# The whole device run (parity tests, benchmark table, sweep) as one command, for a GPU or NPU machine
+# that is lent for minutes:
 #
 #     bash benchmarks/device_check.sh [OUT_DIR]        # default: $OUT if set, else ./device_results
 #

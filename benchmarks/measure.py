@@ -91,6 +91,9 @@ class StepPlan:
     graph_warmup: int = 3
 
     def __post_init__(self) -> None:
+        if self.graph_warmup < 1:
+            # The last warmup step records the module inputs that the capture step graphs.
+            raise ValueError("--graph-warmup must be at least 1 (the capture needs one eager step before it)")
         if self.head < self.graph_warmup + 1:
             raise ValueError(f"--warmup must be at least graph warmup + 1 = {self.graph_warmup + 1} "
                              "(the capture step is part of the untimed head)")

@@ -138,6 +138,7 @@ def main(argv: List[str]) -> None:
         [c for c in ALL_COLUMNS if c != "compile" or args.compile]
     quiet_lightning()
     try:
+        npugraph_train.graphed.get_backend(args.backend)  # an unusable --backend is named as an argument
         npugraph_train.set_backend(None if args.backend == "auto" else args.backend)
         device = Device()
     except npugraph_train.BackendUnavailableError as exc:
@@ -149,8 +150,9 @@ def main(argv: List[str]) -> None:
     size = args.size if args.size != "auto" else ("quick" if device.is_emulator else "full")
     head, windows, steps = PLANS[size]
     try:
-        plan = StepPlan(head=args.warmup or head, windows=args.windows or windows, steps=args.steps or steps,
-                        graph_warmup=args.graph_warmup)
+        plan = StepPlan(head=head if args.warmup is None else args.warmup,
+                        windows=windows if args.windows is None else args.windows,
+                        steps=steps if args.steps is None else args.steps, graph_warmup=args.graph_warmup)
     except ValueError as exc:
         sys.exit(f"error: {exc}")
     specs = (QUICK if size == "quick" else FULL)
@@ -187,12 +189,15 @@ def main(argv: List[str]) -> None:
         output["targets"] += checks
         print()
         print(model_table(rows, columns))
-        write_json(args.json, output)  # after each model: a run cut short by a time limit keeps what it measured
+        # After each model: a run cut short by a time limit keeps what it measured.
+        write_json(args.json, output, announce=False)
     if output["targets"]:
         print("\nGPU targets" + (" (not judged on the emulator)" if device.is_emulator else "") + ":")
         print(targets_table(output["targets"]))
     if device.is_emulator:
         print("\n" + EMULATOR_NOTE)
+    if args.json is not None:
+        print(f"\nwrote {args.json}")
 
 
 def run_sweep(args: argparse.Namespace, device: Device, plan: StepPlan, size: str, specs: Dict[str, Any],
@@ -222,12 +227,13 @@ def run_sweep(args: argparse.Namespace, device: Device, plan: StepPlan, size: st
     write_json(args.json, {"meta": meta, "sweep": sweep})
 
 
-def write_json(path: Any, data: Dict[str, Any]) -> None:
+def write_json(path: Any, data: Dict[str, Any], announce: bool = True) -> None:
     if path is None:
         return
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(data, indent=1, default=str) + "\n")
-    print(f"\nwrote {path}")
+    if announce:
+        print(f"\nwrote {path}")
 
 
 if __name__ == "__main__":

@@ -5,7 +5,7 @@ emulator), prints the capture report, the median step time eager vs graphed, and
 parameters are bitwise equal to an eager run with the same seed and data. Configs: ``examples/conf/``.
 
     python examples/train.py
-    python examples/train.py trainer.max_steps=100 model.depth=8 model.width=256 data.batch_size=64
+    python examples/train.py trainer.max_steps=100 model.depth=8 model.width=256 data.batch_size=64  # on a device
     python examples/train.py graph.warmup_steps=5 graph.max_signatures=2   # also graph the short last batch
     python examples/train.py graph.mode=whole_step                          # one graph for the whole step
     python examples/train.py graph.mode=off                                 # one eager fit only
@@ -14,6 +14,7 @@ parameters are bitwise equal to an eager run with the same seed and data. Config
 """
 from __future__ import annotations
 
+import inspect
 import math
 import statistics
 import sys
@@ -166,6 +167,9 @@ class StepTimer(Callback):
 
 
 # fits ----------------------------------------------------------------------------------------------
+_SET_BY_SCRIPT = ("seq", "capturable_optimizer")  # from data.seq and graph.mode
+
+
 def fit(cfg: DictConfig, backend: Backend, data: Tuple[TensorDataset, TensorDataset],
         graph_callback: Optional[ngt.NPUGraphCallback]) -> Tuple[TinyTransformer, StepTimer, pl.Trainer]:
     """One fit from the configured seed; eager when ``graph_callback`` is None."""
@@ -206,8 +210,13 @@ def final_loss(trainer: pl.Trainer) -> str:
 
 
 def run(cfg: DictConfig) -> None:
-    # Validate the graph switches (and make the callback) before anything trains.
+    # Validate the graph switches (and make the callback) and the model's settings before anything trains.
     callback = ngt.NPUGraphCallback.from_config(cfg.graph)
+    settings = [name for name in inspect.signature(TinyTransformer).parameters if name not in _SET_BY_SCRIPT]
+    unknown = [key for key in cfg.model if key not in settings]
+    if unknown:
+        raise MisconfigurationException(f"unknown model settings {', '.join(f'model.{k}' for k in unknown)}; valid: "
+                                        f"{', '.join(settings)}")
     backend = get_backend(cfg.graph.backend)
     print(f"backend: {backend.name}; device: {describe_device(backend)}; "
           f"Lightning accelerator: {ACCELERATORS[backend.name]}")
@@ -233,7 +242,9 @@ def run(cfg: DictConfig) -> None:
     graphed_us, eager_us = graphed_timer.median_us(), eager_timer.median_us()
     if graphed_us and eager_us:
         print(f"eager / graphed step time: {eager_us / graphed_us:.2f}x")
-    print(f"parameters bitwise equal to eager: {bitwise_equal(graphed_model, eager_model)}")
+    replays = sum(row["replays"] for row in callback.report())
+    note = "" if replays else " (nothing replayed as a graph: the fit ended before capture)"
+    print(f"parameters bitwise equal to eager: {bitwise_equal(graphed_model, eager_model)}{note}")
     if backend.name == "emulate":
         print("note: the emulate backend is a correctness tool: it replays recorded ops one by one in Python "
               "on the CPU, so its step time is not a speed-up measurement; run on an NPU or CUDA GPU for that.")

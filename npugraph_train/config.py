@@ -13,8 +13,9 @@ types and invalid values fail at start-up with the valid choices.
 """
 from __future__ import annotations
 
+import difflib
 from dataclasses import dataclass, field, fields
-from typing import Any, List, Mapping, Union
+from typing import Any, Iterable, List, Mapping, Union
 
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
@@ -108,6 +109,9 @@ class NPUGraphConfig:
             cfg = dict(cfg)
         if isinstance(cfg, dict):
             cfg.pop("_target_", None)  # a Hydra callback node can be passed as it is
+            unknown = [key for key in {**cfg, **overrides} if key not in valid]
+            if unknown:
+                raise unknown_settings_error("npugraph_train config", unknown)
         schema = OmegaConf.structured(cls)
         try:
             merged = OmegaConf.merge(schema, cfg if cfg is not None else {}, overrides)
@@ -119,6 +123,14 @@ class NPUGraphConfig:
                 f"invalid npugraph_train config{where}: {str(exc).splitlines()[0]}. "
                 f"Valid keys: {', '.join(valid)}") from None
         return cls(**OmegaConf.to_container(merged, resolve=True))
+
+
+def unknown_settings_error(where: str, keys: Iterable[str]) -> MisconfigurationException:
+    valid = [f.name for f in fields(NPUGraphConfig)]
+    hints = [f"{key!r} (did you mean {close[0]!r}?)" if close else repr(key)
+             for key, close in ((k, difflib.get_close_matches(str(k), valid, n=1)) for k in keys)]
+    return MisconfigurationException(f"{where} got unknown settings {', '.join(hints)}; valid settings: "
+                                     f"{', '.join(valid)}")
 
 
 def _is_sequence(value: Any) -> bool:

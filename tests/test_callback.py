@@ -230,7 +230,8 @@ class TestConfig:
             NPUGraphCallback(**kwargs)
 
     def test_from_config_rejects_unknown_keys_and_types(self):
-        with pytest.raises(MisconfigurationException, match="warmup_step.*Valid keys: mode, warmup_steps"):
+        with pytest.raises(MisconfigurationException, match="unknown settings 'warmup_step' \\(did you mean "
+                                                            "'warmup_steps'\\?\\); valid settings: mode, warmup_steps"):
             NPUGraphCallback.from_config({"warmup_step": 3})
         with pytest.raises(MisconfigurationException, match="at 'warmup_steps' \\(expected int\\)"):
             NPUGraphCallback.from_config(OmegaConf.create({"warmup_steps": "three"}))
@@ -291,9 +292,12 @@ def test_detect_anomaly_is_refused_at_fit_start():
         fit(callbacks=[NPUGraphCallback()], detect_anomaly=True, max_steps=2)
 
 
-def test_fit_ending_before_capture_warns():
+@pytest.mark.parametrize("mode", ["submodules", "whole_step"])
+def test_fit_ending_before_capture_warns(mode):
+    callback = NPUGraphCallback(mode=mode, warmup_steps=5)
     with pytest.warns(UserWarning, match=r"fit ended after 3 training steps, before capture \(warmup_steps=5\)"):
-        fit(callbacks=[NPUGraphCallback(warmup_steps=5)], max_steps=3)
+        fit(callbacks=[callback], max_steps=3)
+    assert {row["status"] for row in callback.report()} == {"not captured: fit ended before capture"}
 
 
 def test_report_puts_capture_errors_on_their_own_line_and_explains_the_star():

@@ -60,7 +60,8 @@ def test_mode_off_runs_one_eager_fit(tmp_path):
 @pytest.mark.parametrize("override, expected", [
     ("graph.mode=bogus", "choose one of: off, submodules, whole_step"),
     ("graph.warmup_steps=0", "expected an integer >= 1"),
-    ("+graph.nope=1", "Valid keys: mode, warmup_steps"),
+    ("+graph.nope=1", "unknown settings 'nope'; valid settings: mode, warmup_steps"),
+    ("+model.nope=1", "unknown model settings model.nope; valid: in_features, width"),
 ])
 def test_config_errors_are_one_line(tmp_path, override, expected):
     result = run_job(tmp_path, override)

@@ -102,10 +102,15 @@ def test_update_lists_per_record_and_errors():
     assert torch.equal(a, masked_mean(x, [1, 2])) and torch.equal(b, masked_mean(x, [3, 4]))
     with pytest.raises(ValueError, match="3 entries but the graph captured 2 updatable ops"):
         g.update([{"lengths": [1, 1]}] * 3)
-    with pytest.raises(KeyError, match="'seq_lens'.*not updatable.*masked_mean.default"):
+    with pytest.raises(KeyError, match="'seq_lens'.*not updatable.*masked_mean.default; updatable: lengths"):
         g.update([{"seq_lens": [1, 1]}])
     with pytest.raises(TypeError, match="list of dicts"):
         g.update({"lengths": [1, 1]})
+    plain = ng.Graph()
+    with ng.graph(plain, auto_dispatch_capture=True):
+        x * 2
+    with pytest.raises(ValueError, match="captured no updatable op.*nothing to update"):
+        plain.update([{"lengths": [1, 1]}])
 
 
 def test_value_left_at_default_is_reported_at_capture_and_update():

@@ -28,8 +28,6 @@ teardown; a resumed or second fit captures anew after its own warmup steps.
 """
 from __future__ import annotations
 
-import difflib
-from dataclasses import fields
 from typing import Any, Dict, List, Mapping, Optional, Union
 
 import lightning.pytorch as pl
@@ -37,10 +35,10 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
-from ..config import NPUGraphConfig
+from ..config import NPUGraphConfig, unknown_settings_error
 from ..graphed import get_backend
 from ..optim import make_capturable, plain_scheduler_state
-from .report import format_report
+from .report import NOT_CAPTURED, format_report
 from .submodules import SubmoduleGrapher
 from .whole_step import UPDATE_HOOK, WholeStepGrapher
 
@@ -54,11 +52,7 @@ class NPUGraphCallback(Callback):
                  auto_dispatch_capture: bool = False, convert_optimizers: bool = True,
                  log_report: bool = True, **unknown: Any) -> None:
         if unknown:  # e.g. a typo in a Hydra `_target_: npugraph_train.NPUGraphCallback` node
-            valid = [f.name for f in fields(NPUGraphConfig)]
-            hints = [f"{key!r} (did you mean {close[0]!r}?)" if close else repr(key)
-                     for key, close in ((k, difflib.get_close_matches(k, valid, n=1)) for k in unknown)]
-            raise MisconfigurationException(f"NPUGraphCallback got unknown settings {', '.join(hints)}; valid "
-                                            f"settings: {', '.join(valid)}")
+            raise unknown_settings_error("NPUGraphCallback", unknown)
         self.config = NPUGraphConfig(
             mode=mode, warmup_steps=warmup_steps, modules=[] if modules is None else modules,
             modules_only=modules_only, num_warmup_iters=num_warmup_iters, backend=backend, on_failure=on_failure,
@@ -149,7 +143,7 @@ class NPUGraphCallback(Callback):
         rows = self.report()
         if any(row["status"] == "graphed" for row in rows):
             self._fits_captured += 1
-        elif rows and all(row["status"] == "not captured yet" for row in rows):
+        elif rows and all(row["status"] == NOT_CAPTURED for row in rows):
             rank_zero_warn(f"NPUGraphCallback: fit ended after {self._step} training steps, before capture "
                            f"(warmup_steps={self.config.warmup_steps}); nothing ran as a graph")
         # Before strategy.teardown moves the module: captured graphs hold the device addresses.

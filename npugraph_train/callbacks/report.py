@@ -3,6 +3,9 @@ from __future__ import annotations
 
 from typing import Any, Dict, List, Optional
 
+NOT_CAPTURED = "not captured yet"
+ENDED_BEFORE_CAPTURE = "not captured: fit ended before capture"
+
 
 def _bytes(n: Optional[int]) -> str:
     if n is None:

@@ -16,6 +16,7 @@ from ..graphed import GraphCaptureError, graph_safe_modules, graphed_state, make
 from ..graphed.backends import Backend
 from ..graphed.marker import GraphSafeOptions, merge_options
 from .batch import BatchKey, describe, key_of, ready_to_capture
+from .report import ENDED_BEFORE_CAPTURE, NOT_CAPTURED
 
 
 def select_modules(model: nn.Module, config: NPUGraphConfig) -> List[Tuple[str, nn.Module]]:
@@ -86,7 +87,7 @@ class SubmoduleGrapher:
 
     def setup(self, model: nn.Module) -> None:
         self.modules = select_modules(model, self.config)
-        self.status = {name: "not captured yet" for name, _ in self.modules}
+        self.status = {name: NOT_CAPTURED for name, _ in self.modules}
         if not self.modules:
             rank_zero_warn("NPUGraphCallback: no @graph_safe submodules and no `modules` patterns; training runs "
                            "eager. Mark capture-safe submodules with @npugraph_train.graph_safe.")
@@ -198,6 +199,7 @@ class SubmoduleGrapher:
             self._last_report = self.report()
         for _, module in self.modules:
             ungraph(module)
+        self.status = {name: ENDED_BEFORE_CAPTURE if why == NOT_CAPTURED else why for name, why in self.status.items()}
 
     # report --------------------------------------------------------------------------------------
     def report(self) -> List[Dict[str, Any]]:

@@ -40,6 +40,7 @@ from ..graphed.user_code import warn_at_user_code
 from ..optim import check_capture_safe, clip_grad_norm_, make_capturable, unwrap
 from .batch import (MAX_CAPTURE_DELAY, VALUES_DIFFER, BatchKey, batch_key, describe, ready_to_capture,
                     values_differ)
+from .report import ENDED_BEFORE_CAPTURE, NOT_CAPTURED
 from .step_checks import (BakedSetup, WatchedIndex, is_metric, python_outputs, rebinding_error,
                           watch_host_counters)
 
@@ -148,7 +149,7 @@ class WholeStepGrapher:
         self.setup = BakedSetup()  # what the graph bakes in, checked before each replay
         self.recapture_reason: Optional[str] = None  # set while a changed setup waits to be captured again
         self.attributes: Optional[StateAttributes] = None
-        self.status = "not captured yet"
+        self.status = NOT_CAPTURED
         self._warned: set = set()  # kinds of eager steps warned about
         self._loop: Optional[_WholeStepOptimization] = None
         self._original_loop: Optional[_AutomaticOptimization] = None
@@ -368,6 +369,8 @@ class WholeStepGrapher:
     def release(self) -> None:
         self.graph = None
         self.active = False
+        if self.status == NOT_CAPTURED:
+            self.status = ENDED_BEFORE_CAPTURE
         self.static_leaves, self.static_result, self.logs = [], {}, None
         self.static_grads = []
 

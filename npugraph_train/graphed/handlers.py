@@ -150,10 +150,12 @@ def check_update(records: List[DispatchRecord], cpu_update_input: List[Dict[str,
     if not isinstance(cpu_update_input, (list, tuple)) or not all(isinstance(d, dict) for d in cpu_update_input):
         raise TypeError("cpu_update_input must be a list of dicts, one per updatable op in capture order "
                         "(or a single dict in a list, for every op)")
+    if not records:
+        raise ValueError("the graph captured no updatable op (none with a registered handler ran during a capture "
+                         "with auto_dispatch_capture=True), so there is nothing to update; replay without update()")
     if len(cpu_update_input) == 1:
         inputs = list(cpu_update_input) * len(records)
-        known = set().union(*(r.updatable for r in records)) if records else set()
-        unknown = set(cpu_update_input[0]) - known if records else set()
+        unknown = set(cpu_update_input[0]) - set().union(*(r.updatable for r in records))
     elif len(cpu_update_input) == len(records):
         inputs = list(cpu_update_input)
         unknown = set().union(*(set(d) - r.updatable for d, r in zip(inputs, records)))
@@ -164,8 +166,9 @@ def check_update(records: List[DispatchRecord], cpu_update_input: List[Dict[str,
         missing = set().union(*(r.missing for r in records)) & unknown
         hint = (f"; {', '.join(sorted(missing))} kept its default at capture, so the op never received it: pass "
                 "an explicit value when capturing") if missing else ""
+        updatable = sorted(set().union(*(r.updatable for r in records)))
         raise KeyError(f"update keys {sorted(unknown)} are not updatable in the captured ops "
-                       f"({', '.join(sorted({r.op_name for r in records}))}){hint}")
+                       f"({', '.join(sorted({r.op_name for r in records}))}; updatable: {', '.join(updatable)}){hint}")
     return inputs
 
 

@@ -72,9 +72,11 @@ def get_backend(name: Union[str, Backend, None] = None) -> Backend:
         reason = BACKENDS[name].probe()
         if reason is not None:
             usable = [n for n, why in available_backends().items() if why is None]
+            how = {"argument": "pass one of them instead (backend=..., --backend, graph.backend=...)",
+                   "set_backend()": "pass one of them to set_backend()"}.get(source, f"set {ENV_VAR} to one of them")
             raise BackendUnavailableError(
                 f"graph backend {name!r} (from {source}) is not available: {reason}. "
-                f"Usable here: {', '.join(usable)}; choose one with {ENV_VAR}=<name> or 'auto'.")
+                f"Usable here: {', '.join(usable)}, or 'auto' to pick the best; {how}.")
         _instances[name] = BACKENDS[name]()
     return _instances[name]
 

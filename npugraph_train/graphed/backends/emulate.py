@@ -170,6 +170,9 @@ class _Recorder(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None):
         kwargs = kwargs or {}
+        if func is torch.ops.aten._local_scalar_dense.default:
+            raise _capture_error(f"reading a tensor's value on the host (.item(), int()/float()/bool() of a tensor, "
+                                 f"or a Python `if`/`while` on a tensor; op {func})")
         if func in _HOST_SYNC_OPS or torch.Tag.data_dependent_output in func.tags:
             raise _capture_error(f"op {func} reads tensor data on the host")
         if torch.Tag.dynamic_output_shape in func.tags:
