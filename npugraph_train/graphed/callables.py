@@ -8,8 +8,8 @@ Compatible with ``torch_npu.npu.make_graphed_callables`` / ``torch.cuda.make_gra
 
 and safer than both:
 
-- a call whose tensors differ from the captured ones (shape, dtype, device, requires_grad, keyword
-  names, autocast state) runs the eager forward instead of broadcasting into static buffers; with
+- a call whose tensors differ from the captured ones (shape, dtype, device, requires_grad, layout,
+  keyword names, autocast state) runs the eager forward instead of broadcasting into static buffers; with
   ``max_signatures=N`` each new signature gets its own graphs (same pool) up to N;
 - keyword tensor arguments are captured (``sample_kwargs``);
 - gradients returned to ``.grad`` never alias static buffers, so gradient accumulation is correct;
@@ -21,8 +21,11 @@ and safer than both:
   several callables gets each of its gradients once;
 - outputs that do not require grad come back without a graph history, and ``None`` outputs are kept;
 - calls where nothing requires grad return copies, like ``no_grad`` calls;
-- a parameter that gains ``requires_grad`` after capture (unfrozen) recaptures the module; freezing keeps
-  the graphs (autograd drops the gradients of frozen parameters);
+- a parameter or input that gains ``requires_grad`` after capture (unfrozen) recaptures the module;
+  freezing keeps the graphs (autograd drops the gradients of frozen parameters and inputs);
+- a changed submodule setting (train/eval, ``Dropout.p``, any scalar attribute) recaptures, replaced
+  parameters (``load_state_dict(assign=True)``, ``functional_call``) run eager; state a forward carries
+  by rebinding an attribute (``self.avg = 0.9 * self.avg + ...``) is refused at capture;
 - double backward (``create_graph=True``) and a second backward after another call are refused
   instead of computing wrong gradients;
 - errors name the module; :func:`ungraph` restores the original forward; ``state_dict`` keys are
@@ -31,27 +34,23 @@ and safer than both:
 from __future__ import annotations
 
 import copy
-import itertools
 import operator
-import time
 import types
-import weakref
 from collections import Counter
-from dataclasses import dataclass
-from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.nn as nn
-from torch.utils._pytree import tree_flatten, tree_unflatten
+from torch.utils._pytree import tree_flatten
 from torch.utils.hooks import RemovableHandle
 
 from .backends import Backend, get_backend
+from .captured import CapturedSignature, SignatureStats, batch_ids, capture_signatures
 from .errors import GraphCaptureError, GraphStateError
-from .graphs import Graph, graph
-from .state_attributes import StateAttributes, StorageReads, tensors_in
+from .signatures import (describe, difference_hint, flatten_call, is_constant, serves, signature, static_copies,
+                         within)
 from .user_code import warn_at_user_code
 
-_batch_ids = itertools.count()
 # A module's hook dicts; hooks inside a graphed module would run once, at capture.
 MODULE_HOOK_KINDS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
 _GLOBAL_HOOK_KINDS = tuple(f"_global{kind}" for kind in MODULE_HOOK_KINDS)
@@ -65,393 +64,6 @@ _MODULE_INTERNALS = frozenset(nn.Module().__dict__) - {"training"}
 
 def _setting_names(module: nn.Module) -> Tuple[str, ...]:
     return tuple(k for k, v in module.__dict__.items() if type(v) in _SETTING_TYPES and k not in _MODULE_INTERNALS)
-
-
-def _is_constant(leaf: Any) -> bool:
-    # None (an optional argument left out) and flags such as is_causal=False are part of the call's
-    # structure: captured as they are, and a call with another value is another signature.
-    return leaf is None or isinstance(leaf, bool)
-
-
-def _layout(t: torch.Tensor) -> Optional[tuple]:
-    # Kernels may pick another algorithm for another layout (a transposed or channels_last input): a
-    # replay on a copy in the capture's layout would not give eager's bits. The layout is that of the static
-    # copy a call's tensor would get (clone keeps a dense layout, densifies an expanded one); strides of
-    # size-1 dims say nothing.
-    if t.is_contiguous():
-        return None
-    copy_strides = torch.empty_like(t, device="meta").stride()
-    if torch.empty(t.shape, device="meta").stride() == copy_strides:
-        return None
-    return tuple(stride if size > 1 else 0 for size, stride in zip(t.shape, copy_strides))
-
-
-def _leaf_signature(t: Any) -> Any:
-    if _is_constant(t):
-        return ("constant", t)
-    if not isinstance(t, torch.Tensor):
-        return ("non-tensor", type(t).__name__)
-    return (tuple(t.shape), t.dtype, t.device, t.requires_grad, _layout(t))
-
-
-def _unique_tensors(leaves: Sequence[Any]) -> List[torch.Tensor]:
-    """The tensors among ``leaves``, each once (a tensor passed as q, k and v is one graph input)."""
-    unique: Dict[int, torch.Tensor] = {}
-    for t in leaves:
-        if isinstance(t, torch.Tensor):
-            unique.setdefault(id(t), t)
-    return list(unique.values())
-
-
-def _aliases(leaves: Sequence[Any]) -> Tuple[int, ...]:
-    # Which arguments are one tensor: forwards branch on it (MultiheadAttention's `query is key`).
-    ids = [id(t) for t in leaves if isinstance(t, torch.Tensor)]
-    if len(set(ids)) == len(ids):
-        return ()
-    first: Dict[int, int] = {}
-    return tuple(first.setdefault(i, len(first)) for i in ids)
-
-
-def _signature(spec: Any, leaves: Sequence[Any], backend: Backend, param_flags: Tuple[bool, ...]) -> tuple:
-    # Which parameters require grad decides what the backward graph computes (a frozen backbone's blocks).
-    return (spec, tuple(_leaf_signature(t) for t in leaves), backend.autocast_state(), param_flags,
-            _aliases(leaves))
-
-
-def _static_copies(flat: Sequence[Any]) -> List[Any]:
-    # Copies, never the caller's tensors (a tensor shared by two callables would be one static buffer), one
-    # per distinct tensor, so that a tensor passed twice stays one input whose gradient is counted once.
-    copies = {id(t): t.detach().clone().requires_grad_(t.requires_grad) for t in _unique_tensors(flat)}
-    return [copies[id(t)] if isinstance(t, torch.Tensor) else t for t in flat]
-
-
-def _describe(signature: tuple) -> str:
-    parts = []
-    for leaf in signature[1]:
-        if leaf[0] == "constant":
-            parts.append(repr(leaf[1]))
-        elif leaf[0] == "non-tensor":
-            parts.append(leaf[1])
-        else:
-            shape, dtype, _, requires_grad, layout = leaf
-            parts.append(f"{str(dtype).replace('torch.', '')}{list(shape)}{'*' if requires_grad else ''}"
-                         + (f" strides {list(layout)}" if layout else ""))
-    enabled, dtype = signature[2]
-    frozen = signature[3].count(False)
-    return (f"({', '.join(parts)})" + (f" autocast {str(dtype).replace('torch.', '')}" if enabled else "")
-            + (f", {frozen} frozen parameters" if frozen else "")
-            + (", one tensor passed as several arguments" if signature[4] else ""))
-
-
-def _difference_hint(key: tuple, captured: Iterable[tuple]) -> str:
-    def without(position: int, signature: tuple) -> tuple:
-        leaves = tuple(leaf[:position] + leaf[position + 1:] if len(leaf) == 5 else leaf for leaf in signature[1])
-        return signature[0], leaves, signature[2:]
-
-    captured = list(captured)
-    if any(without(3, key) == without(3, other) for other in captured):
-        return "; it differs from a captured one only in which inputs require grad (marked *)"
-    if any(without(4, key) == without(4, other) for other in captured):
-        return ("; it differs from a captured one only in memory layout (strides): pass inputs laid out as at "
-                "capture (e.g. .contiguous())")
-    if any(key[:4] == other[:4] for other in captured):
-        return ("; it differs from a captured one only in which arguments are one tensor (pass the same tensor "
-                "objects in the same places as at capture)")
-    return ""
-
-
-def _serves(captured: tuple, key: tuple) -> bool:
-    """The graphs of signature ``captured`` can replay a call of signature ``key``: the same but for inputs that
-    require grad there and not here (a frozen upstream module); autograd drops the gradients they get."""
-    if captured[0] != key[0] or captured[2:] != key[2:] or len(captured[1]) != len(key[1]):
-        return False
-    return all(was == now or (len(was) == 5 and len(now) == 5 and was[3] and not now[3]
-                              and was[:3] == now[:3] and was[4] == now[4]) for was, now in zip(captured[1], key[1]))
-
-
-def _within(flags: Tuple[bool, ...], captured: Tuple[bool, ...]) -> bool:
-    """Every parameter that requires grad now did at capture: the graphs serve (autograd drops the gradients
-    returned for the others), as when Lightning's toggle_optimizer freezes one model of a GAN per step."""
-    return all(was or not now for now, was in zip(flags, captured))
-
-
-# The spec of a call with N positional tensors: pytree's flatten costs 7-15 us per call, much of a replay's
-# host work for a module taking tensors only.
-_TENSORS_ONLY_SPECS: Dict[int, Any] = {}
-
-
-def _flatten_call(args: tuple, kwargs: Dict[str, Any]) -> Tuple[List[Any], Any]:
-    if not kwargs and all(isinstance(a, torch.Tensor) for a in args):
-        spec = _TENSORS_ONLY_SPECS.get(len(args))
-        if spec is None:
-            spec = _TENSORS_ONLY_SPECS[len(args)] = tree_flatten((tuple(args), {}))[1]
-        return list(args), spec
-    return tree_flatten((tuple(args), dict(sorted(kwargs.items()))))
-
-
-def _in_checkpoint_forward() -> bool:
-    # torch.utils.checkpoint(use_reentrant=False) packs saved tensors with its _checkpoint_hook in the forward
-    hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)
-    return hooks is not None and getattr(hooks[0], "__qualname__", "").startswith("_checkpoint_hook.")
-
-
-class _PoolOrder:
-    """Keeps replays in capture order within one memory pool.
-
-    Graphs of one pool may reuse each other's freed memory: a forward may replay only while every
-    graph of the pool still waiting for its backward was captured earlier in the same capture batch
-    (the order torch requires of graphed callables that share a pool). Any other replay would overwrite
-    activations that a pending backward still needs, so that call runs eager instead.
-    """
-
-    def __init__(self) -> None:
-        self.pending: Dict[int, Tuple[Tuple[int, int], Any, str]] = {}
-
-    @staticmethod
-    def of(pool: Any) -> "_PoolOrder":
-        order = _pool_orders.get(pool)
-        if order is None:
-            order = _pool_orders[pool] = _PoolOrder()
-        return order
-
-    def pending_after(self, order: Tuple[int, int]) -> Optional[str]:
-        """The name of a callable captured after ``order`` in the same batch whose backward is still pending."""
-        for other, ctx_ref, name in self.pending.values():
-            if other[0] == order[0] and other[1] > order[1] and ctx_ref() is not None:
-                return name
-        return None
-
-    def may_replay(self, order: Tuple[int, int]) -> bool:
-        for key, (other, ctx_ref, _) in list(self.pending.items()):
-            if ctx_ref() is None:  # its autograd graph was dropped without a backward
-                del self.pending[key]
-            elif other[0] != order[0] or other[1] >= order[1]:
-                return False
-        return True
-
-
-# One order keeper per pool handle, alive as long as some graph of that pool is.
-_pool_orders: "weakref.WeakValueDictionary[Any, _PoolOrder]" = weakref.WeakValueDictionary()
-
-
-@dataclass
-class SignatureStats:
-    description: str
-    replays: int = 0
-    capture_seconds: float = 0.0
-    pool_bytes: Optional[int] = None
-    captures: int = 1
-
-
-class _CapturedSignature:
-    """Forward and backward graphs of one callable for one input signature."""
-
-    def __init__(self, owner: "GraphedCallable", leaves: List[Optional[torch.Tensor]], spec: Any,
-                 pool: Any, order: Tuple[int, int]) -> None:
-        self.owner = owner
-        self.leaves = leaves
-        self.pool = pool
-        self.pool_order = _PoolOrder.of(pool)
-        self.static_inputs = tuple(_unique_tensors(leaves))
-        self.spec = spec
-        self.order = order
-        self.fwd_graph = Graph(owner.backend)
-        self.bwd_graph = Graph(owner.backend)
-        self.static_outputs: Tuple[torch.Tensor, ...] = ()
-        self.output_spec: Any = None
-        self.none_outputs: Tuple[int, ...] = ()  # positions of None among the flat outputs
-        self.replays = 0  # forward replays: a backward must follow the replay whose activations it reads
-        self.released = False
-        self.static_grad_outputs: Tuple[Optional[torch.Tensor], ...] = ()
-        self.static_grad_inputs: Tuple[Optional[torch.Tensor], ...] = ()
-        self.function: Any = None
-        self.attributes: Optional[StateAttributes] = None  # attributes the forward only writes, if any
-
-    @property
-    def surface(self) -> Tuple[torch.Tensor, ...]:
-        return self.static_inputs + self.owner.params
-
-    def warmup(self) -> None:
-        surface = self.surface
-        for iteration in range(self.owner.num_warmup_iters):
-            args, kwargs = tree_unflatten(self.leaves, self.spec)
-            outputs = [o for o in tree_flatten(self.owner.call_original(*args, **kwargs))[0]
-                       if isinstance(o, torch.Tensor) and o.requires_grad]
-            if iteration == 0:
-                self._check_leaves(outputs)
-            inputs = tuple(i for i in surface if i.requires_grad)
-            if outputs and inputs:
-                with self.owner.backend.without_autocast():
-                    grads = torch.autograd.grad(outputs, inputs, grad_outputs=[torch.empty_like(o) for o in outputs],
-                                                only_inputs=True, allow_unused=True)
-                unused = [i for i, g in zip(inputs, grads) if g is None]
-                if unused and not self.owner.allow_unused_input:
-                    raise GraphCaptureError(
-                        f"{self.owner.name}: {self._label(unused)} require grad but do not reach its outputs "
-                        "(unused in this call); pass allow_unused_input=True (@graph_safe(allow_unused_input=True) "
-                        "for the callback), or freeze them (requires_grad_(False))")
-
-    def _label(self, tensors: Sequence[torch.Tensor]) -> str:
-        names = {id(t): f"argument tensor {i}" for i, t in enumerate(self.static_inputs)}
-        if self.owner.is_module:
-            for path, sub in self.owner.func.named_modules():
-                for attr, value in sub.__dict__.items():
-                    names.update((id(t), f"attribute {path + '.' if path else ''}{attr}") for t in tensors_in(value))
-            names.update((id(p), f"parameter {n!r}") for n, p in self.owner.func.named_parameters())
-        shown = [names.get(id(t), f"a tensor of shape {list(t.shape)}") for t in tensors]
-        return ", ".join(shown[:4]) + (f" and {len(shown) - 4} more" if len(shown) > 4 else "")
-
-    def _check_leaves(self, outputs: Sequence[torch.Tensor]) -> None:
-        # Eager autograd would give these tensors gradients; a graph only returns gradients for its inputs and
-        # the module's parameters, so theirs would be dropped without a word.
-        known = {id(t) for t in self.surface}
-        foreign, seen = [], set()
-        stack = [o.grad_fn for o in outputs if o.grad_fn is not None]
-        while stack:
-            node = stack.pop()
-            if node is None or node in seen:
-                continue
-            seen.add(node)
-            leaf = getattr(node, "variable", None)
-            if leaf is not None and id(leaf) not in known:
-                foreign.append(leaf)
-            stack.extend(next_node for next_node, _ in node.next_functions)
-        if foreign:
-            raise GraphCaptureError(
-                f"{self.owner.name}: its forward uses {len(foreign)} tensor(s) that require grad but are neither "
-                f"its arguments nor its parameters ({self._label(foreign)}: e.g. a weight tied through a plain "
-                "attribute, a list or a closure); a graph's backward would drop their gradients. Register them in "
-                "the module (an nn.Parameter attribute or a submodule) or pass them as arguments")
-
-    def capture_forward(self) -> None:
-        args, kwargs = tree_unflatten(self.leaves, self.spec)
-        with graph(self.fwd_graph, pool=self.pool, capture_error_mode=self.owner.capture_error_mode,
-                   auto_dispatch_capture=self.owner.auto_dispatch_capture):
-            outputs = self.owner.call_original(*args, **kwargs)
-        flat, self.output_spec = tree_flatten(outputs)
-        bad = [type(o).__name__ for o in flat if not isinstance(o, torch.Tensor) and o is not None]
-        if bad:
-            raise GraphCaptureError(f"{self.owner.name}: graphed callables must return tensors or None (or nested "
-                                    f"tuples/lists/dicts of them), got {', '.join(bad)}")
-        self.none_outputs = tuple(i for i, o in enumerate(flat) if o is None)
-        self.static_outputs = tuple(o for o in flat if o is not None)
-
-    def capture_backward(self) -> None:
-        self.static_grad_outputs = tuple(torch.empty_like(o) if o.requires_grad else None
-                                         for o in self.static_outputs)
-        outputs = tuple(o for o in self.static_outputs if o.requires_grad)
-        inputs = tuple(i for i in self.surface if i.requires_grad)
-        grads: Tuple[Optional[torch.Tensor], ...] = ()
-        if outputs and inputs:
-            with self.owner.backend.without_autocast(), graph(
-                    self.bwd_graph, pool=self.pool, capture_error_mode=self.owner.capture_error_mode,
-                    auto_dispatch_capture=self.owner.auto_dispatch_capture):
-                grads = torch.autograd.grad(outputs, inputs,
-                                            grad_outputs=tuple(g for g in self.static_grad_outputs if g is not None),
-                                            only_inputs=True, allow_unused=self.owner.allow_unused_input)
-        it = iter(grads)
-        self.static_grad_inputs = tuple(next(it) if (i.requires_grad and grads) else None for i in self.surface)
-        self.function = self._make_function()
-
-    def replay_forward(self, inputs: Sequence[torch.Tensor]) -> None:
-        if self.attributes is not None:  # an eager call (validation) may have bound them to its own tensors
-            self.attributes.rebind_written()
-        for static, new in zip(self.static_inputs, inputs):
-            if static.data_ptr() != new.data_ptr():
-                static.copy_(new)
-        self.fwd_graph.replay()
-        self.replays += 1
-
-    def _make_function(self) -> Any:
-        sig = self
-        name = self.owner.name
-        num_user = len(self.static_inputs)
-        pool_order = self.pool_order
-
-        class Graphed(torch.autograd.Function):
-            @staticmethod
-            def forward(ctx: Any, *inputs: torch.Tensor) -> Tuple[torch.Tensor, ...]:
-                sig.replay_forward(inputs[:num_user])
-                ctx.replay = sig.replays
-                pool_order.pending[id(sig)] = (sig.order, weakref.ref(ctx), name)
-                ctx.in_checkpoint = _in_checkpoint_forward()
-                outputs = tuple(o.detach() for o in sig.static_outputs)
-                ctx.mark_non_differentiable(*(o for o, s in zip(outputs, sig.static_outputs) if not s.requires_grad))
-                return outputs
-
-            @staticmethod
-            def backward(ctx: Any, *grads: torch.Tensor) -> Tuple[Optional[torch.Tensor], ...]:
-                if torch.is_grad_enabled():
-                    raise GraphStateError(
-                        f"{name}: backward with create_graph=True (double backward, e.g. a gradient penalty) "
-                        "reached its graphs, which replay a first-order backward; keep it eager for that "
-                        f"computation (npugraph_train.graphed.ungraph, or leave {name} out of @graph_safe/modules)")
-                if sig.released:
-                    raise GraphStateError(
-                        f"{name}: backward of a call made before its graphs were released (ungraph, or parameters "
-                        "whose requires_grad changed); run the backward before releasing")
-                if ctx.replay != sig.replays:
-                    raise GraphStateError(
-                        f"{name}: backward of a call whose activations a later call's replay overwrote "
-                        "(retain_graph=True, then another call before this backward); run each backward before "
-                        f"calling {name} again, or keep {name} eager")
-                pool_order.pending.pop(id(sig), None)
-                later = pool_order.pending_after(sig.order)
-                if later is not None:
-                    raise GraphStateError(
-                        f"{name}: its backward ran while {later}, captured after it into the same memory pool, still "
-                        "waits for its own backward; that graph's activations live in memory this backward reuses. "
-                        "Run backwards in the reverse order of the calls (one backward over the sum of the "
-                        f"losses does), or graph {name} in a pool of its own (a separate make_graphed_callables "
-                        "call)")
-                for static, grad in zip(sig.static_grad_outputs, grads):
-                    if static is not None and grad is not None and static.data_ptr() != grad.data_ptr():
-                        static.copy_(grad)
-                if sig.bwd_graph.is_captured:
-                    sig.bwd_graph.replay()
-                # Clones, never the static buffers the next replay overwrites (torch issue #181723:
-                # accumulated .grad corrupted). When .grad is None, AccumulateGrad adopts the clone instead
-                # of copying, so the common case costs no extra copy.
-                return tuple(g.clone() if g is not None and needed else None
-                             for g, needed in zip(sig.static_grad_inputs, ctx.needs_input_grad))
-
-        return Graphed
-
-    def release(self) -> None:
-        self.pool_order.pending.pop(id(self), None)
-        self.fwd_graph.reset()
-        self.bwd_graph.reset()
-        self.released = True
-
-    def pending_ctx(self) -> Any:
-        """The autograd context of this signature's call whose backward has not run yet, or None."""
-        entry = self.pool_order.pending.get(id(self))
-        return entry[1]() if entry is not None else None
-
-    def backward_pending(self) -> bool:
-        return self.pending_ctx() is not None
-
-    def update(self, cpu_update_input: Union[List[Dict[str, Any]], Dict[str, List[Dict[str, Any]]]]) -> None:
-        per_graph = cpu_update_input if isinstance(cpu_update_input, dict) else {
-            "forward": cpu_update_input, "backward": cpu_update_input}
-        for phase, g in (("forward", self.fwd_graph), ("backward", self.bwd_graph)):
-            count = g.backend.update_record_count(g.native) if g.is_captured else 0
-            if (count is None or count > 0) and phase in per_graph:
-                g.update(per_graph[phase])
-
-    def __call__(self, flat_args: List[Optional[torch.Tensor]], needs_grad: bool) -> Any:
-        inputs = _unique_tensors(flat_args)
-        if needs_grad:
-            out = list(self.function.apply(*inputs, *self.owner.params))
-        else:
-            # No backward follows (no_grad, or nothing requires grad): copies, so the next replay (the
-            # training call after a stop-gradient target) cannot overwrite what this call returned.
-            with torch.no_grad():  # the static inputs may require grad (graphs that serve training calls too)
-                self.replay_forward(inputs)
-            out = [o.detach().clone() for o in self.static_outputs]
-        for position in self.none_outputs:
-            out.insert(position, None)
-        return tree_unflatten(out, self.output_spec)
 
 
 class GraphedCallable:
@@ -494,7 +106,7 @@ class GraphedCallable:
         self._hook_handles_seen = -1  # RemovableHandle.next_id at the last scan that found no hook
         self.param_flags = self.current_param_flags()
         self.training = func.training if self.is_module else None
-        self.signatures: Dict[tuple, _CapturedSignature] = {}
+        self.signatures: Dict[tuple, CapturedSignature] = {}
         self._failed: Dict[tuple, str] = {}  # signatures whose capture failed, with the reason
         self.stats: Dict[tuple, SignatureStats] = {}
         self.eager_calls: Counter = Counter()
@@ -543,21 +155,21 @@ class GraphedCallable:
             return self._eager("its parameters were replaced after capture (load_state_dict(assign=True), "
                                "torch.func.functional_call, a new nn.Parameter assigned), and the graphs read the "
                                "old ones; ungraph, then graph again", args, kwargs)
-        flat, spec = _flatten_call(args, kwargs)
+        flat, spec = flatten_call(args, kwargs)
         flags, settings = self.current_param_flags(), self.current_settings()
-        gained = flags != self.param_flags and not _within(flags, self.param_flags)
+        gained = flags != self.param_flags and not within(flags, self.param_flags)
         if gained or settings != self.settings:
             if any(sig.backward_pending() for sig in self.signatures.values()):
                 return self._eager("parameters or submodule settings changed while a backward of this module was "
                                    "pending", args, kwargs)
             self._drop_signatures_for(flags, settings, gained)
-        key = _signature(spec, flat, self.backend, self.param_flags)
+        key = signature(spec, flat, self.backend, self.param_flags)
         sig = self.signatures.get(key)
         if sig is None:
-            key = next((k for k in self.signatures if _serves(k, key)), key)
+            key = next((k for k in self.signatures if serves(k, key)), key)
             sig = self.signatures.get(key)
         if sig is None:
-            narrower = next((k for k in self.signatures if _serves(key, k)), None)
+            narrower = next((k for k in self.signatures if serves(key, k)), None)
             if narrower is not None and len(self.signatures) >= self.max_signatures:
                 if self.signatures[narrower].backward_pending():
                     return self._eager("inputs gained requires_grad while a backward of this module was pending",
@@ -572,7 +184,7 @@ class GraphedCallable:
             try:
                 sig = self._capture_new(key, flat, spec)
             except GraphCaptureError as exc:
-                self._failed[key] = f"capturing signature {_describe(key)} failed: {exc}"
+                self._failed[key] = f"capturing signature {describe(key)} failed: {exc}"
                 return self._eager(self._failed[key], args, kwargs, kind="capture failed")
         if not sig.pool_order.may_replay(sig.order):
             if getattr(sig.pending_ctx(), "in_checkpoint", False) and torch._C._current_graph_task_id() != -1:
@@ -623,10 +235,10 @@ class GraphedCallable:
         if key in self._failed:  # one failed capture of a signature is enough: its calls run eager
             return "capture failed", self._failed[key]
         if len(self.signatures) >= self.max_signatures:
-            return "max_signatures", (f"signature {_describe(key)} not captured (max_signatures={self.max_signatures}"
-                                      f" reached){_difference_hint(key, self.signatures)}")
-        if any(not isinstance(t, torch.Tensor) and not _is_constant(t) for t in flat):
-            return "non-tensor", f"non-tensor argument in {_describe(key)}"
+            return "max_signatures", (f"signature {describe(key)} not captured (max_signatures={self.max_signatures}"
+                                      f" reached){difference_hint(key, self.signatures)}")
+        if any(not isinstance(t, torch.Tensor) and not is_constant(t) for t in flat):
+            return "non-tensor", f"non-tensor argument in {describe(key)}"
         if self.backend.is_current_stream_capturing():
             return "nested", "new signature met during another capture"
         if torch.is_inference_mode_enabled():
@@ -663,12 +275,12 @@ class GraphedCallable:
         self.eager_calls[reason] += 1
         return self.call_original(*args, **kwargs)
 
-    def _capture_new(self, key: tuple, flat: List[torch.Tensor], spec: Any) -> _CapturedSignature:
+    def _capture_new(self, key: tuple, flat: List[torch.Tensor], spec: Any) -> CapturedSignature:
         # Later signatures share a pool of their own: captured after the first batch, they could reuse
         # memory that other callables' pending backwards still need.
         if self.cache_pool is None:
             self.cache_pool = self.backend.graph_pool_handle()
-        sig = _CapturedSignature(self, _static_copies(flat), spec, self.cache_pool, (next(_batch_ids), 0))
+        sig = CapturedSignature(self, static_copies(flat), spec, self.cache_pool, (next(batch_ids), 0))
         capture_signatures([sig], key_of={id(sig): key})
         return sig
 
@@ -690,85 +302,6 @@ class GraphedCallable:
             "eager_calls": dict(self.eager_calls),
             "released": self._released,
         }
-
-
-def capture_signatures(sigs: Sequence[_CapturedSignature], key_of: Dict[int, tuple]) -> None:
-    """Warm up, then capture forwards in order and backwards in reverse order (torch's pool order).
-
-    RNG state, module buffers and tensor attributes are restored after warmup, so warmup leaves no trace.
-    On failure nothing is registered and the error names the callable.
-    """
-    owners = [s.owner for s in sigs]
-    backend = owners[0].backend
-    modules = [o.func for o in owners if o.is_module]
-    buffers = [b for m in modules for b in m.buffers()]
-    saved_buffers = [b.detach().clone() for b in buffers]
-    before_warmup = [StateAttributes(m) for m in modules]
-    reads = StorageReads()
-    attributes: Dict[int, StateAttributes] = {}
-    cpu_rng, device_rng = torch.get_rng_state(), backend.get_rng_state()
-    seconds = {id(sig): 0.0 for sig in sigs}
-
-    def restore() -> None:
-        with torch.no_grad():
-            for b, saved in zip(buffers, saved_buffers):
-                b.copy_(saved)
-        for kept in before_warmup:
-            kept.restore()
-        torch.set_rng_state(cpu_rng)
-        if device_rng is not None:
-            backend.set_rng_state(device_rng)
-
-    def timed(sig: _CapturedSignature, phase: Callable[[], None]) -> None:
-        started = time.perf_counter()
-        phase()
-        seconds[id(sig)] += time.perf_counter() - started
-
-    current = sigs[0]
-    try:
-        with torch.enable_grad():
-            backend.synchronize()
-            with backend.stream(backend.new_stream()):
-                for current in sigs:
-                    timed(current, current.warmup)
-            backend.synchronize()
-            restore()
-            # Taken after warmup, which may have made attributes that the forward then writes on every call.
-            attributes.update((id(o), StateAttributes(o.func, reads)) for o in owners if o.is_module)
-            with reads:
-                for current in sigs:
-                    timed(current, current.capture_forward)
-            for current in sigs:
-                kept = attributes.get(id(current.owner))
-                carried = kept.carried(list(current.static_outputs)) if kept is not None else []
-                if carried:
-                    raise GraphCaptureError(
-                        f"{current.owner.name}: its forward carries state from call to call in "
-                        f"{', '.join(carried)}: it reads the tensor an earlier call stored there and stores a new "
-                        "one (e.g. self.avg = 0.9 * self.avg + ...). A replay runs on the tensors it saw at "
-                        "capture, so it would read the capture-time tensor on every call. Update the state in "
-                        "place (self.avg.mul_(0.9).add_(...)), or keep this module eager")
-                current.attributes = kept if kept is not None and kept.written else None
-            for current in reversed(sigs):
-                timed(current, current.capture_backward)
-    except (GraphCaptureError, GraphStateError, RuntimeError) as exc:
-        restore()
-        for s in sigs:
-            s.fwd_graph.reset() if s.fwd_graph.is_captured else None
-            s.bwd_graph.reset() if s.bwd_graph.is_captured else None
-        raise GraphCaptureError(f"capturing {current.owner.name} failed: {exc}",
-                                module_name=current.owner.name) from exc
-    for s in sigs:
-        key = key_of[id(s)]
-        s.owner.signatures[key] = s
-        s.owner.settings = s.owner.current_settings()  # as the capture left them: a forward may set some
-        pool_bytes = [g.pool_bytes() for g in (s.fwd_graph, s.bwd_graph)]
-        earlier = s.owner.stats.get(key)  # captured before, then dropped (requires_grad changed)
-        s.owner.stats[key] = SignatureStats(
-            _describe(key), replays=earlier.replays if earlier else 0,
-            capture_seconds=seconds[id(s)] + (earlier.capture_seconds if earlier else 0.0),
-            pool_bytes=None if pool_bytes[0] is None else sum(b or 0 for b in pool_bytes),
-            captures=earlier.captures + 1 if earlier else 1)
 
 
 class GraphedForward:
@@ -831,7 +364,7 @@ def _check_callable(func: Callable, name: str, args: tuple, kwargs: Dict[str, An
                              "requires_grad=False (make it a Parameter instead)")
     labelled = [(f"argument {i}", v) for i, v in enumerate(args)] + [(f"keyword {k!r}", v) for k, v in kwargs.items()]
     bad = [f"{label}: {type(leaf).__name__}" for label, value in labelled for leaf in tree_flatten(value)[0]
-           if not isinstance(leaf, torch.Tensor) and not _is_constant(leaf)]
+           if not isinstance(leaf, torch.Tensor) and not is_constant(leaf)]
     if bad:
         raise refuse(f"{name}: call arguments must be tensors, None or bools, whose values a graph can take anew "
                      f"on each replay (got {', '.join(bad)}); pass such values as tensors or through a module "
@@ -892,18 +425,18 @@ def make_graphed_callables(
                          f"{len(names)} names; give one per callable (or an int max_signatures for all)")
     chosen = get_backend(backend)
     pool = pool if pool is not None else chosen.graph_pool_handle()
-    batch = next(_batch_ids)
+    batch = next(batch_ids)
 
     sigs, key_of, states = [], {}, []
     for index, (func, args, kwargs, limit, name) in enumerate(zip(funcs, args_list, kwargs_list, limits, names)):
         if not isinstance(args, tuple):
             raise TypeError(f"{name}: sample_args must be a tuple of tensors (got {type(args).__name__})")
-        flat, spec = _flatten_call(args, kwargs)
+        flat, spec = flatten_call(args, kwargs)
         _check_callable(func, name, args, kwargs, chosen)
         state = GraphedCallable(func, name, chosen, num_warmup_iters, allow_unused_input, limit, capture_error_mode,
                                 auto_dispatch_capture)
-        sig = _CapturedSignature(state, _static_copies(flat), spec, pool, (batch, index))
-        key_of[id(sig)] = _signature(spec, flat, chosen, state.param_flags)
+        sig = CapturedSignature(state, static_copies(flat), spec, pool, (batch, index))
+        key_of[id(sig)] = signature(spec, flat, chosen, state.param_flags)
         sigs.append(sig)
         states.append(state)
     capture_signatures(sigs, key_of)

@@ -1,0 +1,371 @@
+"""One captured signature of a graphed callable: its forward and backward graphs, and their capture.
+
+Graphs of callables captured together share a memory pool and must replay in capture order (forwards in
+order, backwards in reverse): :class:`PoolOrder` keeps them so. :func:`capture_signatures` warms up,
+captures, and undoes what warmup changed (RNG, buffers, tensor attributes).
+"""
+from __future__ import annotations
+
+import itertools
+import time
+import weakref
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
+
+import torch
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from .errors import GraphCaptureError, GraphStateError
+from .graphs import Graph, graph
+from .signatures import describe, unique_tensors
+from .state_attributes import StateAttributes, StorageReads, tensors_in
+
+if TYPE_CHECKING:
+    from .callables import GraphedCallable
+
+# Callables captured together share a batch id; their position in the batch is their capture order.
+batch_ids = itertools.count()
+
+
+def in_checkpoint_forward() -> bool:
+    # torch.utils.checkpoint(use_reentrant=False) packs saved tensors with its _checkpoint_hook in the forward
+    hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)
+    return hooks is not None and getattr(hooks[0], "__qualname__", "").startswith("_checkpoint_hook.")
+
+
+class PoolOrder:
+    """Keeps replays in capture order within one memory pool.
+
+    Graphs of one pool may reuse each other's freed memory: a forward may replay only while every
+    graph of the pool still waiting for its backward was captured earlier in the same capture batch
+    (the order torch requires of graphed callables that share a pool). Any other replay would overwrite
+    activations that a pending backward still needs, so that call runs eager instead.
+    """
+
+    def __init__(self) -> None:
+        self.pending: Dict[int, Tuple[Tuple[int, int], Any, str]] = {}
+
+    @staticmethod
+    def of(pool: Any) -> "PoolOrder":
+        order = _pool_orders.get(pool)
+        if order is None:
+            order = _pool_orders[pool] = PoolOrder()
+        return order
+
+    def pending_after(self, order: Tuple[int, int]) -> Optional[str]:
+        """The name of a callable captured after ``order`` in the same batch whose backward is still pending."""
+        for other, ctx_ref, name in self.pending.values():
+            if other[0] == order[0] and other[1] > order[1] and ctx_ref() is not None:
+                return name
+        return None
+
+    def may_replay(self, order: Tuple[int, int]) -> bool:
+        for key, (other, ctx_ref, _) in list(self.pending.items()):
+            if ctx_ref() is None:  # its autograd graph was dropped without a backward
+                del self.pending[key]
+            elif other[0] != order[0] or other[1] >= order[1]:
+                return False
+        return True
+
+
+# One order keeper per pool handle, alive as long as some graph of that pool is.
+_pool_orders: "weakref.WeakValueDictionary[Any, PoolOrder]" = weakref.WeakValueDictionary()
+
+
+@dataclass
+class SignatureStats:
+    description: str
+    replays: int = 0
+    capture_seconds: float = 0.0
+    pool_bytes: Optional[int] = None
+    captures: int = 1
+
+
+class CapturedSignature:
+    """Forward and backward graphs of one callable for one input signature."""
+
+    def __init__(self, owner: "GraphedCallable", leaves: List[Optional[torch.Tensor]], spec: Any,
+                 pool: Any, order: Tuple[int, int]) -> None:
+        self.owner = owner
+        self.leaves = leaves
+        self.pool = pool
+        self.pool_order = PoolOrder.of(pool)
+        self.static_inputs = tuple(unique_tensors(leaves))
+        self.spec = spec
+        self.order = order
+        self.fwd_graph = Graph(owner.backend)
+        self.bwd_graph = Graph(owner.backend)
+        self.static_outputs: Tuple[torch.Tensor, ...] = ()
+        self.output_spec: Any = None
+        self.none_outputs: Tuple[int, ...] = ()  # positions of None among the flat outputs
+        self.replays = 0  # forward replays: a backward must follow the replay whose activations it reads
+        self.released = False
+        self.static_grad_outputs: Tuple[Optional[torch.Tensor], ...] = ()
+        self.static_grad_inputs: Tuple[Optional[torch.Tensor], ...] = ()
+        self.function: Any = None
+        self.attributes: Optional[StateAttributes] = None  # attributes the forward only writes, if any
+
+    @property
+    def surface(self) -> Tuple[torch.Tensor, ...]:
+        return self.static_inputs + self.owner.params
+
+    def warmup(self) -> None:
+        surface = self.surface
+        for iteration in range(self.owner.num_warmup_iters):
+            args, kwargs = tree_unflatten(self.leaves, self.spec)
+            outputs = [o for o in tree_flatten(self.owner.call_original(*args, **kwargs))[0]
+                       if isinstance(o, torch.Tensor) and o.requires_grad]
+            if iteration == 0:
+                self._check_leaves(outputs)
+            inputs = tuple(i for i in surface if i.requires_grad)
+            if outputs and inputs:
+                with self.owner.backend.without_autocast():
+                    grads = torch.autograd.grad(outputs, inputs, grad_outputs=[torch.empty_like(o) for o in outputs],
+                                                only_inputs=True, allow_unused=True)
+                unused = [i for i, g in zip(inputs, grads) if g is None]
+                if unused and not self.owner.allow_unused_input:
+                    raise GraphCaptureError(
+                        f"{self.owner.name}: {self._label(unused)} require grad but do not reach its outputs "
+                        "(unused in this call); pass allow_unused_input=True (@graph_safe(allow_unused_input=True) "
+                        "for the callback), or freeze them (requires_grad_(False))")
+
+    def _label(self, tensors: Sequence[torch.Tensor]) -> str:
+        names = {id(t): f"argument tensor {i}" for i, t in enumerate(self.static_inputs)}
+        if self.owner.is_module:
+            for path, sub in self.owner.func.named_modules():
+                for attr, value in sub.__dict__.items():
+                    names.update((id(t), f"attribute {path + '.' if path else ''}{attr}") for t in tensors_in(value))
+            names.update((id(p), f"parameter {n!r}") for n, p in self.owner.func.named_parameters())
+        shown = [names.get(id(t), f"a tensor of shape {list(t.shape)}") for t in tensors]
+        return ", ".join(shown[:4]) + (f" and {len(shown) - 4} more" if len(shown) > 4 else "")
+
+    def _check_leaves(self, outputs: Sequence[torch.Tensor]) -> None:
+        # Eager autograd would give these tensors gradients; a graph only returns gradients for its inputs and
+        # the module's parameters, so theirs would be dropped without a word.
+        known = {id(t) for t in self.surface}
+        foreign, seen = [], set()
+        stack = [o.grad_fn for o in outputs if o.grad_fn is not None]
+        while stack:
+            node = stack.pop()
+            if node is None or node in seen:
+                continue
+            seen.add(node)
+            leaf = getattr(node, "variable", None)
+            if leaf is not None and id(leaf) not in known:
+                foreign.append(leaf)
+            stack.extend(next_node for next_node, _ in node.next_functions)
+        if foreign:
+            raise GraphCaptureError(
+                f"{self.owner.name}: its forward uses {len(foreign)} tensor(s) that require grad but are neither "
+                f"its arguments nor its parameters ({self._label(foreign)}: e.g. a weight tied through a plain "
+                "attribute, a list or a closure); a graph's backward would drop their gradients. Register them in "
+                "the module (an nn.Parameter attribute or a submodule) or pass them as arguments")
+
+    def capture_forward(self) -> None:
+        args, kwargs = tree_unflatten(self.leaves, self.spec)
+        with graph(self.fwd_graph, pool=self.pool, capture_error_mode=self.owner.capture_error_mode,
+                   auto_dispatch_capture=self.owner.auto_dispatch_capture):
+            outputs = self.owner.call_original(*args, **kwargs)
+        flat, self.output_spec = tree_flatten(outputs)
+        bad = [type(o).__name__ for o in flat if not isinstance(o, torch.Tensor) and o is not None]
+        if bad:
+            raise GraphCaptureError(f"{self.owner.name}: graphed callables must return tensors or None (or nested "
+                                    f"tuples/lists/dicts of them), got {', '.join(bad)}")
+        self.none_outputs = tuple(i for i, o in enumerate(flat) if o is None)
+        self.static_outputs = tuple(o for o in flat if o is not None)
+
+    def capture_backward(self) -> None:
+        self.static_grad_outputs = tuple(torch.empty_like(o) if o.requires_grad else None
+                                         for o in self.static_outputs)
+        outputs = tuple(o for o in self.static_outputs if o.requires_grad)
+        inputs = tuple(i for i in self.surface if i.requires_grad)
+        grads: Tuple[Optional[torch.Tensor], ...] = ()
+        if outputs and inputs:
+            with self.owner.backend.without_autocast(), graph(
+                    self.bwd_graph, pool=self.pool, capture_error_mode=self.owner.capture_error_mode,
+                    auto_dispatch_capture=self.owner.auto_dispatch_capture):
+                grads = torch.autograd.grad(outputs, inputs,
+                                            grad_outputs=tuple(g for g in self.static_grad_outputs if g is not None),
+                                            only_inputs=True, allow_unused=self.owner.allow_unused_input)
+        it = iter(grads)
+        self.static_grad_inputs = tuple(next(it) if (i.requires_grad and grads) else None for i in self.surface)
+        self.function = self._make_function()
+
+    def replay_forward(self, inputs: Sequence[torch.Tensor]) -> None:
+        if self.attributes is not None:  # an eager call (validation) may have bound them to its own tensors
+            self.attributes.rebind_written()
+        for static, new in zip(self.static_inputs, inputs):
+            if static.data_ptr() != new.data_ptr():
+                static.copy_(new)
+        self.fwd_graph.replay()
+        self.replays += 1
+
+    def _make_function(self) -> Any:
+        sig = self
+        name = self.owner.name
+        num_user = len(self.static_inputs)
+        pool_order = self.pool_order
+
+        class Graphed(torch.autograd.Function):
+            @staticmethod
+            def forward(ctx: Any, *inputs: torch.Tensor) -> Tuple[torch.Tensor, ...]:
+                sig.replay_forward(inputs[:num_user])
+                ctx.replay = sig.replays
+                pool_order.pending[id(sig)] = (sig.order, weakref.ref(ctx), name)
+                ctx.in_checkpoint = in_checkpoint_forward()
+                outputs = tuple(o.detach() for o in sig.static_outputs)
+                ctx.mark_non_differentiable(*(o for o, s in zip(outputs, sig.static_outputs) if not s.requires_grad))
+                return outputs
+
+            @staticmethod
+            def backward(ctx: Any, *grads: torch.Tensor) -> Tuple[Optional[torch.Tensor], ...]:
+                if torch.is_grad_enabled():
+                    raise GraphStateError(
+                        f"{name}: backward with create_graph=True (double backward, e.g. a gradient penalty) "
+                        "reached its graphs, which replay a first-order backward; keep it eager for that "
+                        f"computation (npugraph_train.graphed.ungraph, or leave {name} out of @graph_safe/modules)")
+                if sig.released:
+                    raise GraphStateError(
+                        f"{name}: backward of a call made before its graphs were released (ungraph, or parameters "
+                        "whose requires_grad changed); run the backward before releasing")
+                if ctx.replay != sig.replays:
+                    raise GraphStateError(
+                        f"{name}: backward of a call whose activations a later call's replay overwrote "
+                        "(retain_graph=True, then another call before this backward); run each backward before "
+                        f"calling {name} again, or keep {name} eager")
+                pool_order.pending.pop(id(sig), None)
+                later = pool_order.pending_after(sig.order)
+                if later is not None:
+                    raise GraphStateError(
+                        f"{name}: its backward ran while {later}, captured after it into the same memory pool, still "
+                        "waits for its own backward; that graph's activations live in memory this backward reuses. "
+                        "Run backwards in the reverse order of the calls (one backward over the sum of the "
+                        f"losses does), or graph {name} in a pool of its own (a separate make_graphed_callables "
+                        "call)")
+                for static, grad in zip(sig.static_grad_outputs, grads):
+                    if static is not None and grad is not None and static.data_ptr() != grad.data_ptr():
+                        static.copy_(grad)
+                if sig.bwd_graph.is_captured:
+                    sig.bwd_graph.replay()
+                # Clones, never the static buffers the next replay overwrites (torch issue #181723:
+                # accumulated .grad corrupted). When .grad is None, AccumulateGrad adopts the clone instead
+                # of copying, so the common case costs no extra copy.
+                return tuple(g.clone() if g is not None and needed else None
+                             for g, needed in zip(sig.static_grad_inputs, ctx.needs_input_grad))
+
+        return Graphed
+
+    def release(self) -> None:
+        self.pool_order.pending.pop(id(self), None)
+        self.fwd_graph.reset()
+        self.bwd_graph.reset()
+        self.released = True
+
+    def pending_ctx(self) -> Any:
+        """The autograd context of this signature's call whose backward has not run yet, or None."""
+        entry = self.pool_order.pending.get(id(self))
+        return entry[1]() if entry is not None else None
+
+    def backward_pending(self) -> bool:
+        return self.pending_ctx() is not None
+
+    def update(self, cpu_update_input: Union[List[Dict[str, Any]], Dict[str, List[Dict[str, Any]]]]) -> None:
+        per_graph = cpu_update_input if isinstance(cpu_update_input, dict) else {
+            "forward": cpu_update_input, "backward": cpu_update_input}
+        for phase, g in (("forward", self.fwd_graph), ("backward", self.bwd_graph)):
+            count = g.backend.update_record_count(g.native) if g.is_captured else 0
+            if (count is None or count > 0) and phase in per_graph:
+                g.update(per_graph[phase])
+
+    def __call__(self, flat_args: List[Optional[torch.Tensor]], needs_grad: bool) -> Any:
+        inputs = unique_tensors(flat_args)
+        if needs_grad:
+            out = list(self.function.apply(*inputs, *self.owner.params))
+        else:
+            # No backward follows (no_grad, or nothing requires grad): copies, so the next replay (the
+            # training call after a stop-gradient target) cannot overwrite what this call returned.
+            with torch.no_grad():  # the static inputs may require grad (graphs that serve training calls too)
+                self.replay_forward(inputs)
+            out = [o.detach().clone() for o in self.static_outputs]
+        for position in self.none_outputs:
+            out.insert(position, None)
+        return tree_unflatten(out, self.output_spec)
+
+
+def capture_signatures(sigs: Sequence[CapturedSignature], key_of: Dict[int, tuple]) -> None:
+    """Warm up, then capture forwards in order and backwards in reverse order (torch's pool order).
+
+    RNG state, module buffers and tensor attributes are restored after warmup, so warmup leaves no trace.
+    On failure nothing is registered and the error names the callable.
+    """
+    owners = [s.owner for s in sigs]
+    backend = owners[0].backend
+    modules = [o.func for o in owners if o.is_module]
+    buffers = [b for m in modules for b in m.buffers()]
+    saved_buffers = [b.detach().clone() for b in buffers]
+    before_warmup = [StateAttributes(m) for m in modules]
+    reads = StorageReads()
+    attributes: Dict[int, StateAttributes] = {}
+    cpu_rng, device_rng = torch.get_rng_state(), backend.get_rng_state()
+    seconds = {id(sig): 0.0 for sig in sigs}
+
+    def restore() -> None:
+        with torch.no_grad():
+            for b, saved in zip(buffers, saved_buffers):
+                b.copy_(saved)
+        for kept in before_warmup:
+            kept.restore()
+        torch.set_rng_state(cpu_rng)
+        if device_rng is not None:
+            backend.set_rng_state(device_rng)
+
+    def timed(sig: CapturedSignature, phase: Callable[[], None]) -> None:
+        started = time.perf_counter()
+        phase()
+        seconds[id(sig)] += time.perf_counter() - started
+
+    current = sigs[0]
+    try:
+        with torch.enable_grad():
+            backend.synchronize()
+            with backend.stream(backend.new_stream()):
+                for current in sigs:
+                    timed(current, current.warmup)
+            backend.synchronize()
+            restore()
+            # Taken after warmup, which may have made attributes that the forward then writes on every call.
+            attributes.update((id(o), StateAttributes(o.func, reads)) for o in owners if o.is_module)
+            with reads:
+                for current in sigs:
+                    timed(current, current.capture_forward)
+            for current in sigs:
+                kept = attributes.get(id(current.owner))
+                carried = kept.carried(list(current.static_outputs)) if kept is not None else []
+                if carried:
+                    raise GraphCaptureError(
+                        f"{current.owner.name}: its forward carries state from call to call in "
+                        f"{', '.join(carried)}: it reads the tensor an earlier call stored there and stores a new "
+                        "one (e.g. self.avg = 0.9 * self.avg + ...). A replay runs on the tensors it saw at "
+                        "capture, so it would read the capture-time tensor on every call. Update the state in "
+                        "place (self.avg.mul_(0.9).add_(...)), or keep this module eager")
+                current.attributes = kept if kept is not None and kept.written else None
+            for current in reversed(sigs):
+                timed(current, current.capture_backward)
+    except (GraphCaptureError, GraphStateError, RuntimeError) as exc:
+        restore()
+        for s in sigs:
+            s.fwd_graph.reset() if s.fwd_graph.is_captured else None
+            s.bwd_graph.reset() if s.bwd_graph.is_captured else None
+        raise GraphCaptureError(f"capturing {current.owner.name} failed: {exc}",
+                                module_name=current.owner.name) from exc
+    for s in sigs:
+        key = key_of[id(s)]
+        s.owner.signatures[key] = s
+        s.owner.settings = s.owner.current_settings()  # as the capture left them: a forward may set some
+        pool_bytes = [g.pool_bytes() for g in (s.fwd_graph, s.bwd_graph)]
+        earlier = s.owner.stats.get(key)  # captured before, then dropped (requires_grad changed)
+        s.owner.stats[key] = SignatureStats(
+            describe(key), replays=earlier.replays if earlier else 0,
+            capture_seconds=seconds[id(s)] + (earlier.capture_seconds if earlier else 0.0),
+            pool_bytes=None if pool_bytes[0] is None else sum(b or 0 for b in pool_bytes),
+            captures=earlier.captures + 1 if earlier else 1)

@@ -1,0 +1,136 @@
+"""Call signatures of graphed callables: what a graph was captured for, and which calls it can replay.
+
+A signature is the call's structure (pytree spec), each leaf's shape, dtype, device, ``requires_grad`` and
+memory layout (or its value for None and bools), the autocast state, which parameters require grad, and
+which arguments are one tensor.
+"""
+from __future__ import annotations
+
+from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
+
+import torch
+from torch.utils._pytree import tree_flatten
+
+from .backends import Backend
+
+
+def is_constant(leaf: Any) -> bool:
+    # None (an optional argument left out) and flags such as is_causal=False are part of the call's
+    # structure: captured as they are, and a call with another value is another signature.
+    return leaf is None or isinstance(leaf, bool)
+
+
+def _layout(t: torch.Tensor) -> Optional[tuple]:
+    # Kernels may pick another algorithm for another layout (a transposed or channels_last input): a
+    # replay on a copy in the capture's layout would not give eager's bits. The layout is that of the static
+    # copy a call's tensor would get (clone keeps a dense layout, densifies an expanded one); strides of
+    # size-1 dims say nothing.
+    if t.is_contiguous():
+        return None
+    copy_strides = torch.empty_like(t, device="meta").stride()
+    if torch.empty(t.shape, device="meta").stride() == copy_strides:
+        return None
+    return tuple(stride if size > 1 else 0 for size, stride in zip(t.shape, copy_strides))
+
+
+def _leaf_signature(t: Any) -> Any:
+    if is_constant(t):
+        return ("constant", t)
+    if not isinstance(t, torch.Tensor):
+        return ("non-tensor", type(t).__name__)
+    return (tuple(t.shape), t.dtype, t.device, t.requires_grad, _layout(t))
+
+
+def unique_tensors(leaves: Sequence[Any]) -> List[torch.Tensor]:
+    """The tensors among ``leaves``, each once (a tensor passed as q, k and v is one graph input)."""
+    unique: Dict[int, torch.Tensor] = {}
+    for t in leaves:
+        if isinstance(t, torch.Tensor):
+            unique.setdefault(id(t), t)
+    return list(unique.values())
+
+
+def _aliases(leaves: Sequence[Any]) -> Tuple[int, ...]:
+    # Which arguments are one tensor: forwards branch on it (MultiheadAttention's `query is key`).
+    ids = [id(t) for t in leaves if isinstance(t, torch.Tensor)]
+    if len(set(ids)) == len(ids):
+        return ()
+    first: Dict[int, int] = {}
+    return tuple(first.setdefault(i, len(first)) for i in ids)
+
+
+def signature(spec: Any, leaves: Sequence[Any], backend: Backend, param_flags: Tuple[bool, ...]) -> tuple:
+    # Which parameters require grad decides what the backward graph computes (a frozen backbone's blocks).
+    return (spec, tuple(_leaf_signature(t) for t in leaves), backend.autocast_state(), param_flags,
+            _aliases(leaves))
+
+
+def static_copies(flat: Sequence[Any]) -> List[Any]:
+    # Copies, never the caller's tensors (a tensor shared by two callables would be one static buffer), one
+    # per distinct tensor, so that a tensor passed twice stays one input whose gradient is counted once.
+    copies = {id(t): t.detach().clone().requires_grad_(t.requires_grad) for t in unique_tensors(flat)}
+    return [copies[id(t)] if isinstance(t, torch.Tensor) else t for t in flat]
+
+
+def describe(signature: tuple) -> str:
+    parts = []
+    for leaf in signature[1]:
+        if leaf[0] == "constant":
+            parts.append(repr(leaf[1]))
+        elif leaf[0] == "non-tensor":
+            parts.append(leaf[1])
+        else:
+            shape, dtype, _, requires_grad, layout = leaf
+            parts.append(f"{str(dtype).replace('torch.', '')}{list(shape)}{'*' if requires_grad else ''}"
+                         + (f" strides {list(layout)}" if layout else ""))
+    enabled, dtype = signature[2]
+    frozen = signature[3].count(False)
+    return (f"({', '.join(parts)})" + (f" autocast {str(dtype).replace('torch.', '')}" if enabled else "")
+            + (f", {frozen} frozen parameters" if frozen else "")
+            + (", one tensor passed as several arguments" if signature[4] else ""))
+
+
+def difference_hint(key: tuple, captured: Iterable[tuple]) -> str:
+    def without(position: int, signature: tuple) -> tuple:
+        leaves = tuple(leaf[:position] + leaf[position + 1:] if len(leaf) == 5 else leaf for leaf in signature[1])
+        return signature[0], leaves, signature[2:]
+
+    captured = list(captured)
+    if any(without(3, key) == without(3, other) for other in captured):
+        return "; it differs from a captured one only in which inputs require grad (marked *)"
+    if any(without(4, key) == without(4, other) for other in captured):
+        return ("; it differs from a captured one only in memory layout (strides): pass inputs laid out as at "
+                "capture (e.g. .contiguous())")
+    if any(key[:4] == other[:4] for other in captured):
+        return ("; it differs from a captured one only in which arguments are one tensor (pass the same tensor "
+                "objects in the same places as at capture)")
+    return ""
+
+
+def serves(captured: tuple, key: tuple) -> bool:
+    """The graphs of signature ``captured`` can replay a call of signature ``key``: the same but for inputs that
+    require grad there and not here (a frozen upstream module); autograd drops the gradients they get."""
+    if captured[0] != key[0] or captured[2:] != key[2:] or len(captured[1]) != len(key[1]):
+        return False
+    return all(was == now or (len(was) == 5 and len(now) == 5 and was[3] and not now[3]
+                              and was[:3] == now[:3] and was[4] == now[4]) for was, now in zip(captured[1], key[1]))
+
+
+def within(flags: Tuple[bool, ...], captured: Tuple[bool, ...]) -> bool:
+    """Every parameter that requires grad now did at capture: the graphs serve (autograd drops the gradients
+    returned for the others), as when Lightning's toggle_optimizer freezes one model of a GAN per step."""
+    return all(was or not now for now, was in zip(flags, captured))
+
+
+# The spec of a call with N positional tensors: pytree's flatten costs 7-15 us per call, much of a replay's
+# host work for a module taking tensors only.
+_TENSORS_ONLY_SPECS: Dict[int, Any] = {}
+
+
+def flatten_call(args: tuple, kwargs: Dict[str, Any]) -> Tuple[List[Any], Any]:
+    if not kwargs and all(isinstance(a, torch.Tensor) for a in args):
+        spec = _TENSORS_ONLY_SPECS.get(len(args))
+        if spec is None:
+            spec = _TENSORS_ONLY_SPECS[len(args)] = tree_flatten((tuple(args), {}))[1]
+        return list(args), spec
+    return tree_flatten((tuple(args), dict(sorted(kwargs.items()))))
