@@ -1,4 +1,6 @@
+import copy
 import linecache
+import pickle
 import re
 import warnings
 
@@ -769,6 +771,15 @@ def test_using_batch_idx_during_capture_warns_at_the_line():
     with warnings.catch_warnings():
         warnings.filterwarnings("error", message=".*batch_idx.*")
         trainer([NPUGraphCallback(mode="whole_step")], max_steps=5).fit(Scheduled(), *loaders())
+
+    class KeepsIdx(Scheduled):
+        def training_step(self, batch, batch_idx):
+            self.last_idx = batch_idx  # kept: copies and checkpoints must still work
+            return super().training_step(batch, batch_idx)
+
+    model = KeepsIdx()
+    trainer([NPUGraphCallback(mode="whole_step")], max_steps=5).fit(model, *loaders())
+    assert type(copy.deepcopy(model).last_idx) is int and type(pickle.loads(pickle.dumps(model.last_idx))) is int
 
 
 def test_python_values_returned_from_training_step_warn():

@@ -82,6 +82,9 @@ class WatchedIndex(int):
         index._on_read = on_read
         return index
 
+    def __reduce__(self) -> Any:  # kept by the user (self.last_idx = batch_idx): copies and pickles are ints
+        return int, (int(self),)
+
 
 def _watched(name: str) -> Callable:
     method = getattr(int, name)
@@ -98,6 +101,11 @@ for _name in ("__eq__", "__ne__", "__lt__", "__le__", "__gt__", "__ge__", "__has
               "__rsub__", "__mul__", "__rmul__", "__mod__", "__rmod__", "__floordiv__", "__rfloordiv__",
               "__truediv__", "__rtruediv__", "__pow__", "__and__", "__or__", "__xor__", "__neg__"):
     setattr(WatchedIndex, _name, _watched(_name))
+
+
+def python_type(value: Any) -> str:
+    """The type name to show the user (``batch_idx`` is an int, watched or not)."""
+    return "int" if isinstance(value, WatchedIndex) else type(value).__name__
 
 
 def python_outputs(result: Dict[str, Any]) -> List[str]:

@@ -41,7 +41,7 @@ from ..optim import check_capture_safe, clip_grad_norm_, make_capturable, unwrap
 from .batch import (MAX_CAPTURE_DELAY, VALUES_DIFFER, BatchKey, batch_key, describe, ready_to_capture,
                     values_differ)
 from .report import ENDED_BEFORE_CAPTURE, NOT_CAPTURED
-from .step_checks import (BakedSetup, WatchedIndex, is_metric, python_outputs, rebinding_error,
+from .step_checks import (BakedSetup, WatchedIndex, is_metric, python_outputs, python_type, rebinding_error,
                           watch_host_counters)
 
 # The LightningModule method that maps a batch to the cpu_update_input of its graphs (auto_dispatch_capture).
@@ -83,7 +83,7 @@ class _LogRecorder:
                 "self.log(name, metric) (or log metric.compute() there), with what training_step returns")
         if not isinstance(value, torch.Tensor):
             raise MisconfigurationException(
-                f"whole_step: {fx} logs {name!r} as a Python {type(value).__name__}; a captured step would log the "
+                f"whole_step: {fx} logs {name!r} as a Python {python_type(value)}; a captured step would log the "
                 "capture step's value forever. Log a tensor (e.g. self.log(name, loss.detach())), or log "
                 "outside the training step (on_train_batch_end)")
         self.calls.append((fx, name, f"{fx}.{name}", value, args, kwargs))
@@ -268,7 +268,7 @@ class WholeStepGrapher:
             del module.log
             # Capture ran no kernels: the tensors bound before it still hold the values they had then.
             escaped = [call[3] for call in self.logs.calls] + tensors_in(result)
-            carried = attributes.carried(escaped)
+            carried = attributes.carried(escaped, [t for t in self.static_leaves if isinstance(t, torch.Tensor)])
         if failure is None and carried:
             failure = rebinding_error(module, carried)
         # Optimizer state made inside the graph would start over on every replay (parameters trained for the

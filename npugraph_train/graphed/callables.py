@@ -57,13 +57,55 @@ _GLOBAL_HOOK_KINDS = tuple(f"_global{kind}" for kind in MODULE_HOOK_KINDS)
 _MODE_DIFFERS = "train/eval mode differs from capture (validation and test run eager by design)"
 
 
-_SETTING_TYPES = (bool, int, float, str, type(None))
+_SETTING_TYPES = (bool, int, float, str)
 # nn.Module's own bookkeeping (hook flags and the like), which is not a setting of the forward.
 _MODULE_INTERNALS = frozenset(nn.Module().__dict__) - {"training"}
 
 
-def _setting_names(module: nn.Module) -> Tuple[str, ...]:
-    return tuple(k for k, v in module.__dict__.items() if type(v) in _SETTING_TYPES and k not in _MODULE_INTERNALS)
+class ModuleSettings:
+    """The Python settings of a module and its submodules that its graphs bake in: train/eval (dropout,
+    BatchNorm), a Dropout's ``p``, how BatchNorms track statistics (finetuning callbacks freeze them; SWA sets
+    momentum=None): every attribute holding a bool, int, float or str when the module is graphed."""
+
+    def __init__(self, module: Optional[nn.Module]) -> None:
+        self.module = module
+        self._find()
+
+    def _find(self) -> None:
+        slots = [(f"{path + '.' if path else ''}{key}", m.__dict__, key)
+                 for path, m in (self.module.named_modules() if self.module is not None else ())
+                 for key, value in m.__dict__.items() if type(value) in _SETTING_TYPES and key not in _MODULE_INTERNALS]
+        self._names, self._dicts, self._keys = (list(z) for z in zip(*slots)) if slots else ([], [], [])
+
+    def read(self) -> tuple:
+        try:
+            return tuple(map(dict.__getitem__, self._dicts, self._keys))
+        except KeyError:  # a setting deleted: from now on, the settings there are
+            self._find()
+            return tuple(map(dict.__getitem__, self._dicts, self._keys))
+
+    @staticmethod
+    def differ(a: tuple, b: tuple) -> bool:
+        try:
+            return a != b
+        except RuntimeError:  # a tensor stored where a setting was (comparing it gives no bool)
+            return True
+
+    def change(self, before: tuple, now: tuple) -> str:
+        if len(before) != len(now):
+            return "submodule settings were deleted"
+        for name, old, new in zip(self._names, before, now):
+            if old is not new and (type(old) is not type(new) or old != new):
+                return f"{name} changed from {old!r} to {new!r}"
+        return "submodule settings changed"
+
+    def adopt(self, baseline: tuple, before: tuple, after: tuple) -> tuple:
+        """``baseline`` with the settings that changed from ``before`` to ``after`` (a forward that writes a
+        scalar attribute, such as a length it saw) taken over: they are the forward's, not the user's."""
+        if not (len(baseline) == len(before) == len(after)):
+            return baseline
+        return tuple(a if b is not a and (type(b) is not type(a) or b != a) else kept
+                     for kept, b, a in zip(baseline, before, after))
 
 
 class GraphedCallable:
@@ -88,7 +130,7 @@ class GraphedCallable:
         self.is_module = isinstance(func, nn.Module)
         # A forward patched on the instance (accelerate-style wrappers) is the one to capture and to restore.
         self.instance_forward = func.__dict__.get("forward") if self.is_module else None
-        self._original = self.instance_forward or (
+        self._original = self.instance_forward if self.instance_forward is not None else (
             types.MethodType(type(func).forward, func) if self.is_module else func)
         self.params: Tuple[torch.Tensor, ...] = tuple(func.parameters()) if self.is_module else ()
         # Where each parameter is registered: load_state_dict(assign=True) and torch.func.functional_call put
@@ -99,10 +141,8 @@ class GraphedCallable:
             [], [], [])
         # Hooks of the module itself run around the graphed forward; those of its submodules would not.
         self.submodules = list(func.modules())[1:] if self.is_module else []
-        named = list(func.named_modules()) if self.is_module else []
-        self._setting_keys = [(path, m.__dict__, _setting_names(m)) for path, m in named]
-        self._setting_getters = [(d, operator.itemgetter(*keys)) for _, d, keys in self._setting_keys]
-        self.settings = self.current_settings()
+        self.module_settings = ModuleSettings(func if self.is_module else None)
+        self.settings = self.module_settings.read()
         self._hook_handles_seen = -1  # RemovableHandle.next_id at the last scan that found no hook
         self.param_flags = self.current_param_flags()
         self.training = func.training if self.is_module else None
@@ -111,27 +151,10 @@ class GraphedCallable:
         self.stats: Dict[tuple, SignatureStats] = {}
         self.eager_calls: Counter = Counter()
         self._released = False
-        self._warned: set = set()  # kinds of eager reasons warned about
+        self._warned: set = set()  # kinds of eager reasons and recaptures warned about
 
     def current_param_flags(self) -> Tuple[bool, ...]:
         return tuple(p.requires_grad for p in self.params)
-
-    def current_settings(self) -> tuple:
-        """The Python settings of the module and its submodules that the graphs bake in: train/eval (dropout,
-        BatchNorm), a Dropout's ``p``, how BatchNorms track statistics (finetuning callbacks freeze them; SWA
-        sets momentum=None): every attribute holding a bool, int, float, str or None."""
-        try:
-            return tuple(get(d) for d, get in self._setting_getters)
-        except KeyError:  # a setting deleted: never equal to what was captured
-            return (object(),)
-
-    def _changed_setting(self, settings: tuple) -> str:
-        for (path, _, keys), old, new in zip(self._setting_keys, self.settings, settings):
-            old, new = (old, new) if len(keys) > 1 else ((old,), (new,))
-            for key, before, now in zip(keys, old, new):
-                if before != now:
-                    return f"{path + '.' if path else ''}{key} changed from {before!r} to {now!r}"
-        return "a submodule setting was deleted"
 
     def params_in_place(self) -> bool:
         return all(map(operator.is_, map(dict.get, self._param_dicts, self._param_names), self._param_objects))
@@ -156,9 +179,9 @@ class GraphedCallable:
                                "torch.func.functional_call, a new nn.Parameter assigned), and the graphs read the "
                                "old ones; ungraph, then graph again", args, kwargs)
         flat, spec = flatten_call(args, kwargs)
-        flags, settings = self.current_param_flags(), self.current_settings()
+        flags, settings = self.current_param_flags(), self.module_settings.read()
         gained = flags != self.param_flags and not within(flags, self.param_flags)
-        if gained or settings != self.settings:
+        if gained or self.module_settings.differ(settings, self.settings):
             if any(sig.backward_pending() for sig in self.signatures.values()):
                 return self._eager("parameters or submodule settings changed while a backward of this module was "
                                    "pending", args, kwargs)
@@ -175,8 +198,9 @@ class GraphedCallable:
                     return self._eager("inputs gained requires_grad while a backward of this module was pending",
                                        args, kwargs)
                 # An upstream module was unfrozen: the new graphs serve the calls of the old ones too.
-                warn_at_user_code(f"npugraph_train: {self.name}: inputs require grad now that did not at capture; "
-                                  "its graphs are captured again for the new setting")
+                self._warn_once("recapture", f"npugraph_train: {self.name}: inputs require grad now that did not at "
+                                "capture; its graphs are captured again for the new setting (later recaptures are "
+                                "only counted in the report)")
                 self.signatures.pop(narrower).release()
             why_not = self._why_not_capture(key, flat)
             if why_not:
@@ -257,8 +281,9 @@ class GraphedCallable:
             count = sum(now and not was for now, was in zip(flags, self.param_flags))
             what = f"{count} parameters require grad now and did not at capture"
         else:
-            what = self._changed_setting(settings)
-        warn_at_user_code(f"npugraph_train: {self.name}: {what}; its graphs are captured again for the new setting")
+            what = self.module_settings.change(self.settings, settings)
+        self._warn_once("recapture", f"npugraph_train: {self.name}: {what}; its graphs are captured again for the "
+                        "new setting (later recaptures are only counted in the report)")
         for sig in self.signatures.values():
             sig.release()
         self.signatures.clear()
@@ -267,13 +292,19 @@ class GraphedCallable:
     def _eager(self, reason: str, args: tuple, kwargs: dict, kind: Optional[str] = None) -> Any:
         # Eval-mode calls are eager by design (validation); anything else is worth one warning per kind of
         # reason (signatures differ call by call: one warning for all that max_signatures leaves out).
-        kind = kind or reason
-        if kind not in self._warned and reason != _MODE_DIFFERS:
-            self._warned.add(kind)
-            warn_at_user_code(f"npugraph_train: {self.name} ran eager: {reason}. Later eager calls for this reason "
-                              "are only counted (graphed_state(...).report())")
+        if reason != _MODE_DIFFERS:
+            self._warn_once(kind or reason, f"npugraph_train: {self.name} ran eager: {reason}. Later eager calls for "
+                            "this reason are only counted (graphed_state(...).report())")
         self.eager_calls[reason] += 1
-        return self.call_original(*args, **kwargs)
+        before = self.module_settings.read()
+        out = self.call_original(*args, **kwargs)
+        self.settings = self.module_settings.adopt(self.settings, before, self.module_settings.read())
+        return out
+
+    def _warn_once(self, kind: str, message: str) -> None:
+        if kind not in self._warned:
+            self._warned.add(kind)
+            warn_at_user_code(message)
 
     def _capture_new(self, key: tuple, flat: List[torch.Tensor], spec: Any) -> CapturedSignature:
         # Later signatures share a pool of their own: captured after the first batch, they could reuse

@@ -52,12 +52,15 @@ class PoolOrder:
             order = _pool_orders[pool] = PoolOrder()
         return order
 
-    def pending_after(self, order: Tuple[int, int]) -> Optional[str]:
-        """The name of a callable captured after ``order`` in the same batch whose backward is still pending."""
-        for other, ctx_ref, name in self.pending.values():
-            if other[0] == order[0] and other[1] > order[1] and ctx_ref() is not None:
-                return name
-        return None
+    def overwrite_after(self, order: Tuple[int, int], by: str) -> None:
+        """A backward captured at ``order`` is about to replay: the calls captured after it in the same batch
+        whose backward is still pending lose their activations (that graph reuses their memory). Their
+        backward, should it come, is refused; calls whose outputs were only watched never notice."""
+        for key, (other, ctx_ref, _) in list(self.pending.items()):
+            ctx = ctx_ref()
+            if ctx is not None and other[0] == order[0] and other[1] > order[1]:
+                ctx.overwritten_by = by
+                del self.pending[key]
 
     def may_replay(self, order: Tuple[int, int]) -> bool:
         for key, (other, ctx_ref, _) in list(self.pending.items()):
@@ -233,15 +236,16 @@ class CapturedSignature:
                         f"{name}: backward of a call whose activations a later call's replay overwrote "
                         "(retain_graph=True, then another call before this backward); run each backward before "
                         f"calling {name} again, or keep {name} eager")
-                pool_order.pending.pop(id(sig), None)
-                later = pool_order.pending_after(sig.order)
-                if later is not None:
+                overwritten_by = getattr(ctx, "overwritten_by", None)
+                if overwritten_by is not None:
                     raise GraphStateError(
-                        f"{name}: its backward ran while {later}, captured after it into the same memory pool, still "
-                        "waits for its own backward; that graph's activations live in memory this backward reuses. "
-                        "Run backwards in the reverse order of the calls (one backward over the sum of the "
-                        f"losses does), or graph {name} in a pool of its own (a separate make_graphed_callables "
-                        "call)")
+                        f"{name}: backward of a call whose activations the backward of {overwritten_by} overwrote: "
+                        f"{overwritten_by} was captured before {name} into the same memory pool, so its backward "
+                        "graph reuses that memory and must run after this one. Run backwards in the reverse order "
+                        "of the calls (one backward over the sum of the losses does), or graph the two in separate "
+                        "pools (separate make_graphed_callables calls)")
+                pool_order.pending.pop(id(sig), None)
+                pool_order.overwrite_after(sig.order, name)
                 for static, grad in zip(sig.static_grad_outputs, grads):
                     if static is not None and grad is not None and static.data_ptr() != grad.data_ptr():
                         static.copy_(grad)
@@ -340,7 +344,7 @@ def capture_signatures(sigs: Sequence[CapturedSignature], key_of: Dict[int, tupl
                     timed(current, current.capture_forward)
             for current in sigs:
                 kept = attributes.get(id(current.owner))
-                carried = kept.carried(list(current.static_outputs)) if kept is not None else []
+                carried = kept.carried(list(current.static_outputs), current.static_inputs) if kept is not None else []
                 if carried:
                     raise GraphCaptureError(
                         f"{current.owner.name}: its forward carries state from call to call in "
@@ -354,14 +358,15 @@ def capture_signatures(sigs: Sequence[CapturedSignature], key_of: Dict[int, tupl
     except (GraphCaptureError, GraphStateError, RuntimeError) as exc:
         restore()
         for s in sigs:
-            s.fwd_graph.reset() if s.fwd_graph.is_captured else None
-            s.bwd_graph.reset() if s.bwd_graph.is_captured else None
+            for g in (s.fwd_graph, s.bwd_graph):
+                if g.is_captured:
+                    g.reset()
         raise GraphCaptureError(f"capturing {current.owner.name} failed: {exc}",
                                 module_name=current.owner.name) from exc
     for s in sigs:
         key = key_of[id(s)]
         s.owner.signatures[key] = s
-        s.owner.settings = s.owner.current_settings()  # as the capture left them: a forward may set some
+        s.owner.settings = s.owner.module_settings.read()  # as the capture left them: a forward may set some
         pool_bytes = [g.pool_bytes() for g in (s.fwd_graph, s.bwd_graph)]
         earlier = s.owner.stats.get(key)  # captured before, then dropped (requires_grad changed)
         s.owner.stats[key] = SignatureStats(

@@ -20,6 +20,13 @@ def is_constant(leaf: Any) -> bool:
     return leaf is None or isinstance(leaf, bool)
 
 
+# A tensor leaf's signature: (shape, dtype, device, requires_grad, layout); positions used below.
+_REQUIRES_GRAD, _LAYOUT = 3, 4
+# Layout of the static copy per (shape, strides) of non-contiguous tensors met so far: a call with a
+# transposed or expanded input every step would otherwise ask the meta device each time (about 4 us).
+_LAYOUTS: Dict[Tuple[tuple, tuple], Optional[tuple]] = {}
+
+
 def _layout(t: torch.Tensor) -> Optional[tuple]:
     # Kernels may pick another algorithm for another layout (a transposed or channels_last input): a
     # replay on a copy in the capture's layout would not give eager's bits. The layout is that of the static
@@ -27,10 +34,14 @@ def _layout(t: torch.Tensor) -> Optional[tuple]:
     # size-1 dims say nothing.
     if t.is_contiguous():
         return None
-    copy_strides = torch.empty_like(t, device="meta").stride()
-    if torch.empty(t.shape, device="meta").stride() == copy_strides:
-        return None
-    return tuple(stride if size > 1 else 0 for size, stride in zip(t.shape, copy_strides))
+    key = (tuple(t.shape), t.stride())
+    if key not in _LAYOUTS:
+        if len(_LAYOUTS) > 4096:  # varying lengths of a non-contiguous input: keep the cache small
+            _LAYOUTS.clear()
+        copy_strides = torch.empty_like(t, device="meta").stride()
+        dense = torch.empty(t.shape, device="meta").stride() == copy_strides
+        _LAYOUTS[key] = None if dense else tuple(st if size > 1 else 0 for size, st in zip(t.shape, copy_strides))
+    return _LAYOUTS[key]
 
 
 def _leaf_signature(t: Any) -> Any:
@@ -39,6 +50,10 @@ def _leaf_signature(t: Any) -> Any:
     if not isinstance(t, torch.Tensor):
         return ("non-tensor", type(t).__name__)
     return (tuple(t.shape), t.dtype, t.device, t.requires_grad, _layout(t))
+
+
+def _is_tensor_leaf(leaf: tuple) -> bool:
+    return len(leaf) == 5
 
 
 def unique_tensors(leaves: Sequence[Any]) -> List[torch.Tensor]:
@@ -80,7 +95,7 @@ def describe(signature: tuple) -> str:
         elif leaf[0] == "non-tensor":
             parts.append(leaf[1])
         else:
-            shape, dtype, _, requires_grad, layout = leaf
+            shape, dtype, _, requires_grad, layout = leaf  # a tensor's (see _leaf_signature)
             parts.append(f"{str(dtype).replace('torch.', '')}{list(shape)}{'*' if requires_grad else ''}"
                          + (f" strides {list(layout)}" if layout else ""))
     enabled, dtype = signature[2]
@@ -92,13 +107,14 @@ def describe(signature: tuple) -> str:
 
 def difference_hint(key: tuple, captured: Iterable[tuple]) -> str:
     def without(position: int, signature: tuple) -> tuple:
-        leaves = tuple(leaf[:position] + leaf[position + 1:] if len(leaf) == 5 else leaf for leaf in signature[1])
+        leaves = tuple(leaf[:position] + leaf[position + 1:] if _is_tensor_leaf(leaf) else leaf
+                       for leaf in signature[1])
         return signature[0], leaves, signature[2:]
 
     captured = list(captured)
-    if any(without(3, key) == without(3, other) for other in captured):
+    if any(without(_REQUIRES_GRAD, key) == without(_REQUIRES_GRAD, other) for other in captured):
         return "; it differs from a captured one only in which inputs require grad (marked *)"
-    if any(without(4, key) == without(4, other) for other in captured):
+    if any(without(_LAYOUT, key) == without(_LAYOUT, other) for other in captured):
         return ("; it differs from a captured one only in memory layout (strides): pass inputs laid out as at "
                 "capture (e.g. .contiguous())")
     if any(key[:4] == other[:4] for other in captured):
@@ -112,8 +128,9 @@ def serves(captured: tuple, key: tuple) -> bool:
     require grad there and not here (a frozen upstream module); autograd drops the gradients they get."""
     if captured[0] != key[0] or captured[2:] != key[2:] or len(captured[1]) != len(key[1]):
         return False
-    return all(was == now or (len(was) == 5 and len(now) == 5 and was[3] and not now[3]
-                              and was[:3] == now[:3] and was[4] == now[4]) for was, now in zip(captured[1], key[1]))
+    return all(was == now or (_is_tensor_leaf(was) and _is_tensor_leaf(now) and was[_REQUIRES_GRAD]
+                              and not now[_REQUIRES_GRAD] and was[:_REQUIRES_GRAD] == now[:_REQUIRES_GRAD]
+                              and was[_LAYOUT] == now[_LAYOUT]) for was, now in zip(captured[1], key[1]))
 
 
 def within(flags: Tuple[bool, ...], captured: Tuple[bool, ...]) -> bool:

@@ -8,7 +8,8 @@ graphed callables (a module's forward) and the whole-step capture (``training_st
 """
 from __future__ import annotations
 
-from typing import Any, List, Optional, Tuple
+import itertools
+from typing import Any, List, Optional, Sequence, Tuple
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -105,8 +106,10 @@ class StateAttributes:
     """
 
     def __init__(self, root: torch.nn.Module, reads: Optional["StorageReads"] = None) -> None:
-        self.root = root
         self.reads = reads if reads is not None else StorageReads()  # enter around the capture
+        # Storages every step reads for their own sake: an attribute holding a view of one of them (self.wt =
+        # self.w.t(), self.m = self.mask[:n]) is recomputed from it, not state carried over.
+        self._own = {_storage(t) for t in itertools.chain(root.parameters(), root.buffers())}
         # (module path, module, "_buffers" or "__dict__", attribute, value, its snapshot)
         self._before: List[Tuple[str, torch.nn.Module, str, str, Any, _Snapshot]] = []
         for path, module in root.named_modules():
@@ -120,12 +123,14 @@ class StateAttributes:
         # Written-only attributes, as the capture left them: bound again before every replay.
         self.written: List[Tuple[torch.nn.Module, str, str, Any, _Snapshot]] = []
 
-    def carried(self, escaped: List[torch.Tensor]) -> List[str]:
+    def carried(self, escaped: List[torch.Tensor], inputs: Sequence[torch.Tensor] = ()) -> List[str]:
         """After capture: put back and name the attributes the step carried state in; note the others.
 
         ``escaped``: the tensors the step logged or returned; an old value among them is read on the host
         after each step (``self.log("prev", self.prev); self.prev = loss``), which a replay would not refresh.
+        ``inputs``: the capture's static inputs (``self.last_x = x.detach()`` only writes).
         """
+        own = self._own | {_storage(t) for t in inputs}
         carried = []
         for path, module, where, attr, value, snapshot in self._before:
             now = getattr(module, where).get(attr)
@@ -140,8 +145,9 @@ class StateAttributes:
                 continue  # Python values added or changed: not tensor state
             grew = len(after) > len(before) and bool(new)  # appended: a replay would not append again
             moved = [t for t in old if any(t is a for a in after)]  # a shifted window
-            read = [t for t in old if (_storage(t) is not None and _storage(t) in self.reads.read)
-                    or any(t is e for e in escaped)]
+            # A registered buffer rebound is state even though every step reads its storage.
+            read = [t for t in old if (_storage(t) is not None and _storage(t) in self.reads.read and (
+                _storage(t) not in own or (where == "_buffers" and t is value))) or any(t is e for e in escaped)]
             if grew or moved or read:
                 carried.append(f"{path}.{attr}" if path else attr)
                 getattr(module, where)[attr] = value
