@@ -147,12 +147,17 @@ def _grads_of(model, x):
     return out.detach().clone(), [p.grad.clone() for p in model.parameters()]
 
 
-def test_signature_mismatch_runs_eager_with_correct_autograd():
+def _graphed_and_reference(**graph_kwargs):
+    """A small model graphed for float32[5, 4] inputs, an eager copy of it, and its graphed state."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 3), nn.Tanh())
     reference = copy.deepcopy(model)
-    ng.make_graphed_callables(model, (torch.zeros(5, 4),))
-    state = ng.graphed_state(model)
+    ng.make_graphed_callables(model, (torch.zeros(5, 4),), **graph_kwargs)
+    return model, reference, ng.graphed_state(model)
+
+
+def test_signature_mismatch_runs_eager_with_correct_autograd():
+    model, reference, state = _graphed_and_reference()
     for x in (torch.randn(2, 4), torch.randn(3, 4, requires_grad=True)):
         out, grads = _grads_of(model, x)
         ref_out, ref_grads = _grads_of(reference, x)
@@ -165,11 +170,7 @@ def test_signature_mismatch_runs_eager_with_correct_autograd():
 
 def test_inputs_that_gain_requires_grad_capture_again_and_serve_both():
     # an upstream module unfrozen (BackboneFinetuning): the block's input starts requiring grad
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(4, 3), nn.Tanh())
-    reference = copy.deepcopy(model)
-    ng.make_graphed_callables(model, (torch.zeros(5, 4),))
-    state = ng.graphed_state(model)
+    model, reference, state = _graphed_and_reference()
     with pytest.warns(RuntimeWarning, match="inputs require grad now that did not at capture"):
         _grads_of(model, torch.randn(5, 4, requires_grad=True))
     _grads_of(reference, torch.randn(5, 4, requires_grad=True))
@@ -182,11 +183,7 @@ def test_inputs_that_gain_requires_grad_capture_again_and_serve_both():
 
 
 def test_signature_cache_captures_up_to_max_signatures():
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(4, 3), nn.Tanh())
-    reference = copy.deepcopy(model)
-    ng.make_graphed_callables(model, (torch.zeros(5, 4),), max_signatures=2)
-    state = ng.graphed_state(model)
+    model, reference, state = _graphed_and_reference(max_signatures=2)
     for batch in (5, 2, 2, 5, 7):
         x = torch.randn(batch, 4)
         out, grads = _grads_of(model, x)
