@@ -846,7 +846,7 @@ class TestModuleState:
     def test_state_carried_by_rebinding_is_refused_and_left_as_it_was(self):
         model = RunningMean(rebind=True)
         before = model.avg
-        with pytest.raises(ng.GraphCaptureError, match=r"RunningMean: its forward carries state from call to call "
+        with pytest.raises(ng.GraphCaptureError, match=r"RunningMean: its forward carries tensors from call to call "
                                                        r"in avg.*self.avg.mul_\(0.9\)"):
             ng.make_graphed_callables(model, (torch.zeros(3, 4, requires_grad=True),))
         assert model.avg is before and torch.equal(before, torch.zeros(4))
@@ -960,3 +960,49 @@ class TestModuleState:
             for _ in range(3):
                 model(torch.randn(3, 4))
         assert [s["captures"] for s in ng.graphed_state(model).report()["signatures"]] == [2]
+
+    def test_a_cache_grown_for_a_longer_input_is_captured_consistently(self):
+        class CachedPositions(nn.Module):  # HF-style rotary cache: rebuilt, with its length, for longer inputs
+            def __init__(self):
+                super().__init__()
+                self.lin = nn.Linear(8, 8)
+                self.cached_len = 4
+                self.register_buffer("table", torch.arange(4.0)[:, None].expand(4, 8).clone(), persistent=False)
+
+            def forward(self, x):
+                if x.shape[1] > self.cached_len:
+                    self.cached_len = x.shape[1]
+                    self.register_buffer("table", torch.arange(float(x.shape[1]))[:, None].expand(-1, 8).clone(),
+                                         persistent=False)
+                return self.lin(x + self.table[: x.shape[1]])
+
+        torch.manual_seed(0)
+        eager = CachedPositions()
+        graphed = copy.deepcopy(eager)
+        ng.make_graphed_callables(graphed, (torch.zeros(2, 4, 8, requires_grad=True),), max_signatures=2)
+        for length in (4, 6, 6, 4):
+            x = torch.randn(2, length, 8, requires_grad=True)
+            assert torch.equal(eager(x), graphed(x))
+        assert ng.graphed_state(graphed).report()["replays"] == 4 and graphed.cached_len == 6
+
+    def test_tensors_that_require_grad_stored_on_the_module_can_be_read_not_differentiated(self):
+        class Router(nn.Module):  # mixture-of-experts style: an auxiliary loss kept for training_step
+            def __init__(self):
+                super().__init__()
+                self.gate = nn.Linear(4, 2)
+
+            def forward(self, x):
+                weights = self.gate(x).softmax(-1)
+                self.aux_loss = weights.pow(2).mean()
+                return x * weights[:, :1]
+
+        torch.manual_seed(0)
+        eager = Router()
+        graphed = ng.make_graphed_callables(copy.deepcopy(eager), (torch.zeros(3, 4, requires_grad=True),))
+        for model in (eager, graphed):  # its value can be read (logged)
+            model(torch.ones(3, 4)).sum().backward()
+        assert torch.equal(eager.aux_loss.detach(), graphed.aux_loss.detach())
+        out = graphed(torch.ones(3, 4))
+        with pytest.raises(ng.GraphStateError, match="Router: a backward reached aux_loss, a tensor that requires grad "
+                                                     "which the graphed forward stored.*return it as an output"):
+            (out.sum() + graphed.aux_loss).backward()

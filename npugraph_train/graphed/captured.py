@@ -241,9 +241,9 @@ class CapturedSignature:
                     raise GraphStateError(
                         f"{name}: backward of a call whose activations the backward of {overwritten_by} overwrote: "
                         f"{overwritten_by} was captured before {name} into the same memory pool, so its backward "
-                        "graph reuses that memory and must run after this one. Run backwards in the reverse order "
-                        "of the calls (one backward over the sum of the losses does), or graph the two in separate "
-                        "pools (separate make_graphed_callables calls)")
+                        "graph reuses that memory and must run after this one. Call backward once, over the sum "
+                        "of the losses (separate backwards run a module that both losses share in between), or "
+                        "graph the two in separate pools (separate make_graphed_callables calls)")
                 pool_order.pending.pop(id(sig), None)
                 pool_order.overwrite_after(sig.order, name)
                 for static, grad in zip(sig.static_grad_outputs, grads):
@@ -294,6 +294,23 @@ class CapturedSignature:
         for position in self.none_outputs:
             out.insert(position, None)
         return tree_unflatten(out, self.output_spec)
+
+
+class _NoBackward(torch.autograd.Function):
+    """A view of a tensor a graphed forward stored on its module, whose backward says why it cannot run."""
+
+    @staticmethod
+    def forward(ctx: Any, tensor: torch.Tensor, name: str, owner: str) -> torch.Tensor:
+        ctx.name, ctx.owner = name, owner
+        return tensor.view_as(tensor)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> Any:
+        raise GraphStateError(
+            f"{ctx.owner}: a backward reached {ctx.name}, a tensor that requires grad which the graphed forward "
+            "stored on the module (e.g. an auxiliary loss). Gradients reach a graph only through what its forward "
+            f"returns: return it as an output and add it to the loss there, or keep {ctx.owner} eager. Reading its "
+            "value (e.g. logging it with .detach()) works")
 
 
 def capture_signatures(sigs: Sequence[CapturedSignature], key_of: Dict[int, tuple]) -> None:
@@ -347,11 +364,15 @@ def capture_signatures(sigs: Sequence[CapturedSignature], key_of: Dict[int, tupl
                 carried = kept.carried(list(current.static_outputs), current.static_inputs) if kept is not None else []
                 if carried:
                     raise GraphCaptureError(
-                        f"{current.owner.name}: its forward carries state from call to call in "
-                        f"{', '.join(carried)}: it reads the tensor an earlier call stored there and stores a new "
-                        "one (e.g. self.avg = 0.9 * self.avg + ...). A replay runs on the tensors it saw at "
-                        "capture, so it would read the capture-time tensor on every call. Update the state in "
-                        "place (self.avg.mul_(0.9).add_(...)), or keep this module eager")
+                        f"{current.owner.name}: its forward carries tensors from call to call in "
+                        f"{', '.join(carried)}: it reads a tensor an earlier call stored there and stores a new one "
+                        "(e.g. self.avg = 0.9 * self.avg + ...), or adds to a list or dict (a cache filled per "
+                        "input length). A replay runs on the tensors it saw at capture and runs no Python, so it "
+                        "would read the capture-time tensor on every call and add nothing. Update state in place "
+                        "(self.avg.mul_(0.9).add_(...)), fill caches before graphing, or keep this module eager")
+                if kept is not None:
+                    kept.guard_written_with_grad(
+                        lambda t, name, owner=current.owner.name: _NoBackward.apply(t, name, owner))
                 current.attributes = kept if kept is not None and kept.written else None
             for current in reversed(sigs):
                 timed(current, current.capture_backward)

@@ -9,7 +9,7 @@ graphed callables (a module's forward) and the whole-step capture (``training_st
 from __future__ import annotations
 
 import itertools
-from typing import Any, List, Optional, Sequence, Tuple
+from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -34,6 +34,8 @@ def tensors_in(value: Any) -> List[torch.Tensor]:
         return [leaf for leaf in tree_flatten(value)[0] if isinstance(leaf, torch.Tensor)]
     return []
 
+
+_SCALARS = (bool, int, float, str)
 
 # A container's structure and leaves (nested lists, tuples, dicts), to compare by position and identity.
 _Snapshot = Optional[Tuple[Any, tuple]]
@@ -112,16 +114,22 @@ class StateAttributes:
         self._own = {_storage(t) for t in itertools.chain(root.parameters(), root.buffers())}
         # (module path, module, "_buffers" or "__dict__", attribute, value, its snapshot)
         self._before: List[Tuple[str, torch.nn.Module, str, str, Any, _Snapshot]] = []
+        # Host values beside them (a cache's length: restored together with the cache it describes).
+        self._scalars: List[Tuple[torch.nn.Module, str, Any]] = []
         for path, module in root.named_modules():
             skip = _recomputed_by_hooks(module) if module._forward_pre_hooks else ()
             for where in ("_buffers", "__dict__"):
                 for attr, value in getattr(module, where).items():
                     if where == "__dict__" and attr in ("_parameters", "_buffers", "_modules"):
                         continue  # nn.Module's own registries: their entries are tracked one by one
-                    if attr not in skip and (tensors_in(value) or (isinstance(value, (list, dict)) and not value)):
+                    if attr not in skip and (value is None or tensors_in(value)
+                                             or (isinstance(value, (list, dict)) and not value)):
                         self._before.append((path, module, where, attr, value, _snapshot(value)))
+                    elif where == "__dict__" and type(value) in _SCALARS:
+                        self._scalars.append((module, attr, value))
         # Written-only attributes, as the capture left them: bound again before every replay.
-        self.written: List[Tuple[torch.nn.Module, str, str, Any, _Snapshot]] = []
+        # (module path, module, "_buffers" or "__dict__", attribute, value, its snapshot)
+        self.written: List[Tuple[str, torch.nn.Module, str, str, Any, _Snapshot]] = []
 
     def carried(self, escaped: List[torch.Tensor], inputs: Sequence[torch.Tensor] = ()) -> List[str]:
         """After capture: put back and name the attributes the step carried state in; note the others.
@@ -130,7 +138,7 @@ class StateAttributes:
         after each step (``self.log("prev", self.prev); self.prev = loss``), which a replay would not refresh.
         ``inputs``: the capture's static inputs (``self.last_x = x.detach()`` only writes).
         """
-        own = self._own | {_storage(t) for t in inputs}
+        own = self._own = self._own | {_storage(t) for t in inputs}
         carried = []
         for path, module, where, attr, value, snapshot in self._before:
             now = getattr(module, where).get(attr)
@@ -153,17 +161,31 @@ class StateAttributes:
                 getattr(module, where)[attr] = value
                 _refill(value, snapshot)
             else:
-                self.written.append((module, where, attr, now, _snapshot(now)))
+                self.written.append((path, module, where, attr, now, _snapshot(now)))
         return carried
 
+    def guard_written_with_grad(self, guard: Callable[[torch.Tensor, str], torch.Tensor]) -> None:
+        """Bind written-only attributes holding a computed tensor that requires grad (``self.aux_loss = ...``)
+        to ``guard(tensor, name)`` instead: the saved tensors of the capture's autograd graph behind such a
+        tensor are freed once the backward is captured, and gradients reach a graph's inputs only through its
+        outputs. Views of parameters, buffers and inputs (``self.wt = self.w.t()``) save nothing: left alone."""
+        for i, (path, module, where, attr, value, snapshot) in enumerate(self.written):
+            if isinstance(value, torch.Tensor) and value.requires_grad and _storage(value) not in self._own:
+                guarded = guard(value, f"{path}.{attr}" if path else attr)
+                self.written[i] = (path, module, where, attr, guarded, snapshot)
+                getattr(module, where)[attr] = guarded
+
     def restore(self) -> None:
-        """Bind every attribute to what it held before (eager warmup calls may have rebound them)."""
+        """Bind every attribute to what it held before, host values too (eager warmup calls may have
+        rebound them: a cache grown for a longer input, and the length it records)."""
         for _, module, where, attr, value, snapshot in self._before:
             getattr(module, where)[attr] = value
             _refill(value, snapshot)
+        for module, attr, value in self._scalars:
+            module.__dict__[attr] = value
 
     def rebind_written(self) -> None:
         """Bind written-only attributes to the graph's tensors again (an eager step may have rebound them)."""
-        for module, where, attr, value, snapshot in self.written:
+        for _, module, where, attr, value, snapshot in self.written:
             getattr(module, where)[attr] = value
             _refill(value, snapshot)
