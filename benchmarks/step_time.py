@@ -49,7 +49,8 @@ SWEEP_MODULES = [1, 2, 4, 8]
 
 EMULATOR_NOTE = (
     "NOTE: CPU / emulate backend. The emulator records the ops of a capture and replays them one by one "
-    "in Python on the CPU, so graphed columns are expected to be SLOWER than eager here. This run checks "
+    "in Python on the CPU, so graphed columns are not expected to be faster than eager here (usually "
+    "slower; ratios near 1x are noise). This run checks "
     "that every column runs and that graphed training matches eager (max |Δparam|); it measures no "
     "speed-up. Speed figures need an NPU or a CUDA GPU.")
 
@@ -216,7 +217,7 @@ def run_sweep(args: argparse.Namespace, device: Device, plan: StepPlan, size: st
         print(f"capture stops paying (< 1.05x) from batch {limit} on" if limit is not None
               else "capture pays (>= 1.05x) at every batch size measured")
     sweep: Dict[str, Any] = {"model": vars(spec), "batch": b_rows, "stops_paying_at_batch": limit, "modules": None}
-    write_json(args.json, {"meta": meta, "sweep": sweep})
+    write_json(args.json, {"meta": meta, "sweep": sweep}, announce=False)
     print(f"\n== sweep 2: capture cost vs number of graphed modules, mlp ({spec.describe()})", flush=True)
     m_rows = module_sweep(spec, counts, device, plan, log=lambda s: print(s, flush=True))
     print()
