@@ -57,6 +57,7 @@ _GLOBAL_HOOK_KINDS = tuple(f"_global{kind}" for kind in MODULE_HOOK_KINDS)
 _MODE_DIFFERS = "train/eval mode differs from capture (validation and test run eager by design)"
 
 
+_requires_grad = operator.attrgetter("requires_grad")
 _SETTING_TYPES = (bool, int, float, str)
 # nn.Module's own bookkeeping (hook flags and the like), which is not a setting of the forward.
 _MODULE_INTERNALS = frozenset(nn.Module().__dict__) - {"training"}
@@ -154,7 +155,7 @@ class GraphedCallable:
         self._warned: set = set()  # kinds of eager reasons and recaptures warned about
 
     def current_param_flags(self) -> Tuple[bool, ...]:
-        return tuple(p.requires_grad for p in self.params)
+        return tuple(map(_requires_grad, self.params))
 
     def params_in_place(self) -> bool:
         return all(map(operator.is_, map(dict.get, self._param_dicts, self._param_names), self._param_objects))

@@ -76,8 +76,9 @@ def _aliases(leaves: Sequence[Any]) -> Tuple[int, ...]:
 
 def signature(spec: Any, leaves: Sequence[Any], backend: Backend, param_flags: Tuple[bool, ...]) -> tuple:
     # Which parameters require grad decides what the backward graph computes (a frozen backbone's blocks).
-    return (spec, tuple(_leaf_signature(t) for t in leaves), backend.autocast_state(), param_flags,
-            _aliases(leaves))
+    # A TreeSpec hashes in Python (about 3 us a lookup); the specs of positional-tensor calls have a token.
+    return (_SPEC_TOKENS.get(id(spec), spec), tuple(_leaf_signature(t) for t in leaves), backend.autocast_state(),
+            param_flags, _aliases(leaves))
 
 
 def static_copies(flat: Sequence[Any]) -> List[Any]:
@@ -140,8 +141,9 @@ def within(flags: Tuple[bool, ...], captured: Tuple[bool, ...]) -> bool:
 
 
 # The spec of a call with N positional tensors: pytree's flatten costs 7-15 us per call, much of a replay's
-# host work for a module taking tensors only.
+# host work for a module taking tensors only. Kept for the life of the process, so their ids stay theirs.
 _TENSORS_ONLY_SPECS: Dict[int, Any] = {}
+_SPEC_TOKENS: Dict[int, Tuple[str, int]] = {}
 
 
 def flatten_call(args: tuple, kwargs: Dict[str, Any]) -> Tuple[List[Any], Any]:
@@ -149,5 +151,6 @@ def flatten_call(args: tuple, kwargs: Dict[str, Any]) -> Tuple[List[Any], Any]:
         spec = _TENSORS_ONLY_SPECS.get(len(args))
         if spec is None:
             spec = _TENSORS_ONLY_SPECS[len(args)] = tree_flatten((tuple(args), {}))[1]
+            _SPEC_TOKENS[id(spec)] = ("positional tensors", len(args))
         return list(args), spec
     return tree_flatten((tuple(args), dict(sorted(kwargs.items()))))
