@@ -846,8 +846,8 @@ class TestModuleState:
     def test_state_carried_by_rebinding_is_refused_and_left_as_it_was(self):
         model = RunningMean(rebind=True)
         before = model.avg
-        with pytest.raises(ng.GraphCaptureError, match=r"RunningMean: its forward carries tensors from call to call "
-                                                       r"in avg.*self.avg.mul_\(0.9\)"):
+        with pytest.raises(ng.GraphCaptureError, match=r"RunningMean: its forward carries state from call to call in "
+                                                       r"the attribute\(s\) avg.*self.avg.mul_\(0.9\)"):
             ng.make_graphed_callables(model, (torch.zeros(3, 4, requires_grad=True),))
         assert model.avg is before and torch.equal(before, torch.zeros(4))
         assert "forward" not in model.__dict__
@@ -1006,3 +1006,16 @@ class TestModuleState:
         with pytest.raises(ng.GraphStateError, match="Router: a backward reached aux_loss, a tensor that requires grad "
                                                      "which the graphed forward stored.*return it as an output"):
             (out.sum() + graphed.aux_loss).backward()
+
+    def test_hooks_on_the_graphed_module_itself_run_on_every_call(self):
+        seen = []
+        model = nn.Linear(4, 4)
+        model.register_forward_hook(lambda module, args, out: seen.append(out.shape))
+        ng.make_graphed_callables(model, (torch.zeros(3, 4),))
+        for _ in range(2):
+            model(torch.randn(3, 4)).sum().backward()
+        assert seen == [torch.Size([3, 4])] * 2 and ng.graphed_state(model).report()["replays"] == 2
+        with pytest.raises(ng.GraphCaptureError, match=r"Sequential.0 has module hooks"):
+            inner = nn.Sequential(nn.Linear(4, 4))
+            inner[0].register_forward_hook(lambda *args: None)
+            ng.make_graphed_callables(inner, (torch.zeros(3, 4),))

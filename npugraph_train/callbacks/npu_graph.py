@@ -95,7 +95,7 @@ class NPUGraphCallback(Callback):
             raise MisconfigurationException(
                 f"NPUGraphCallback(auto_dispatch_capture=True) needs {type(pl_module).__name__}.{UPDATE_HOOK}"
                 "(self, batch) returning the cpu_update_input of each batch (a list of dicts, one per updatable "
-                "op in capture order, or one dict for all)")
+                "op in capture order, or a one-dict list for all)")
         if self.config.mode == "whole_step":
             if self.config.max_signatures > 1:
                 rank_zero_warn(f"NPUGraphCallback(mode='whole_step', max_signatures={self.config.max_signatures}): "

@@ -10,11 +10,11 @@ ENDED_BEFORE_CAPTURE = "not captured: fit ended before capture"
 def _bytes(n: Optional[int]) -> str:
     if n is None:
         return "n/a"
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
+    for unit in ("B", "KiB", "MiB"):
+        if n < 1024:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
-    return str(n)
+    return f"{n:.1f} GiB"
 
 
 def format_report(rows: List[Dict[str, Any]], mode: str, backend: str) -> str:

@@ -20,6 +20,7 @@ from torch.utils._pytree import tree_flatten
 
 from ..graphed import GraphCaptureError
 from ..graphed.callables import MODULE_HOOK_KINDS
+from ..graphed.state_attributes import carried_state_message
 from ..graphed.user_code import user_frame
 
 
@@ -35,15 +36,10 @@ def rebinding_error(root: torch.nn.Module, names: List[str]) -> GraphCaptureErro
     metric_fix = (f" {', '.join(metrics)} (torchmetrics) rebinds its states in update() and forward(): call "
                   "metric.update(...) and self.log(name, metric) in on_train_batch_end, with the outputs "
                   "training_step returns." if metrics else "")
-    shown = ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
-    return GraphCaptureError(
-        f"training_step carries state from step to step in the attribute(s) {shown}: it reads the tensors an "
-        "earlier step stored there and stores new ones (e.g. self.ema = 0.9 * self.ema + ..., an RNN's hidden "
-        "state, appending to a list). A graph replays on the tensors it saw at capture, so every replay would "
-        "read the capture-time tensors again. Update such state in place (e.g. "
-        "self.ema.mul_(0.9).add_(loss.detach(), alpha=0.1), self.hidden[0].copy_(h.detach())), or outside "
-        f"training_step (e.g. in on_train_batch_end, from the outputs training_step returns).{metric_fix} The "
-        "attributes are left as before the capture", module_name="training_step")
+    return GraphCaptureError(carried_state_message(
+        "training_step", "step", names, "Update such state in place (e.g. self.ema.mul_(0.9).add_(loss.detach(), "
+        "alpha=0.1), self.hidden[0].copy_(h.detach())), or outside training_step (e.g. in on_train_batch_end, "
+        f"from the outputs training_step returns).{metric_fix}"), module_name="training_step")
 
 
 _HOST_COUNTERS = ("global_step", "current_epoch")

@@ -146,7 +146,7 @@ class WholeStepGrapher:
         # Per capture: batch description, why it was captured again, replays before it, time, pool bytes.
         self.captures: List[Dict[str, Any]] = []
         self.eager_steps: Counter = Counter()
-        self.setup = BakedSetup()  # what the graph bakes in, checked before each replay
+        self.baked = BakedSetup()  # what the graph bakes in, checked before each replay
         self.recapture_reason: Optional[str] = None  # set while a changed setup waits to be captured again
         self.attributes: Optional[StateAttributes] = None
         self.status = NOT_CAPTURED
@@ -205,7 +205,7 @@ class WholeStepGrapher:
             make_capturable(optimizer)
         else:
             check_capture_safe(optimizer, tensor_lr_needed=bool(trainer.lr_scheduler_configs))
-        self.setup.track_lrs(unwrap(optimizer).param_groups)
+        self.baked.track_lrs(unwrap(optimizer).param_groups)
 
     # loop installation ---------------------------------------------------------------------------
     def install(self, trainer: "pl.Trainer") -> None:
@@ -304,7 +304,7 @@ class WholeStepGrapher:
         self.static_result = result
         self.static_grads = [(p, p.grad) for group in unwrap(optimizer).param_groups for p in group["params"]
                              if p.grad is not None]
-        self.setup.remember(module, unwrap(optimizer).param_groups)
+        self.baked.remember(module, unwrap(optimizer).param_groups)
         self.captures.append({"description": describe(key), "reason": self.recapture_reason,
                               "first_replay": self.replays, "capture_seconds": self.capture_seconds,
                               "pool_bytes": self.pool_bytes})
@@ -406,7 +406,7 @@ class _WholeStepOptimization(_AutomaticOptimization):
         if grapher.failed:
             return self.eager_step(optimizer, batch_idx, kwargs, "capture failed (on_failure='eager')")
         groups = unwrap(optimizer).param_groups
-        grapher.setup.adopt_lrs(groups)  # also on eager steps: they and a later capture read the same lr tensors
+        grapher.baked.adopt_lrs(groups)  # also on eager steps: they and a later capture read the same lr tensors
         leaves, spec = tree_flatten(kwargs["batch"])
         key = batch_key(leaves, spec)
         if grapher.graph is not None:
@@ -414,7 +414,7 @@ class _WholeStepOptimization(_AutomaticOptimization):
                 # An eager step since the last replay rebound them; a replay runs no Python, so this is the
                 # one place they need binding again.
                 grapher.attributes.rebind_written()
-            change = grapher.setup.change(self.trainer.lightning_module, groups, batch_idx)
+            change = grapher.baked.change(self.trainer.lightning_module, groups, batch_idx)
             if change is not None:
                 grapher.drop_for_recapture(*change)
         if grapher.graph is None:

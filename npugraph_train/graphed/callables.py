@@ -209,7 +209,8 @@ class GraphedCallable:
             try:
                 sig = self._capture_new(key, flat, spec)
             except GraphCaptureError as exc:
-                self._failed[key] = f"capturing signature {describe(key)} failed: {exc}"
+                # The cause alone: the error itself says "capturing <name> failed", which the report says already.
+                self._failed[key] = f"capturing signature {describe(key)} failed: {exc.__cause__ or exc}"
                 return self._eager(self._failed[key], args, kwargs, kind="capture failed")
         if not sig.pool_order.may_replay(sig.order):
             if getattr(sig.pending_ctx(), "in_checkpoint", False) and torch._C._current_graph_task_id() != -1:
@@ -269,7 +270,7 @@ class GraphedCallable:
         if torch.is_inference_mode_enabled():
             # Its static buffers would be inference tensors, which later training calls cannot write.
             return "inference", "new signature met under inference_mode (captured in training or no_grad calls only)"
-        if self.backend.autocast_state()[0] and torch.is_autocast_cache_enabled():
+        if _autocast_cache_on(self.backend):
             # The autocast cache would hand the graph this step's casts of the weights forever.
             return "autocast", (f"new signature met under autocast with cache_enabled=True (use torch.autocast("
                                 f"'{self.backend.device_type}', ..., cache_enabled=False))")
@@ -365,6 +366,11 @@ def _same(value: Any) -> Any:
     return value
 
 
+def _autocast_cache_on(backend: Backend) -> bool:
+    # The autocast cache would hand a graph the casts of the weights made at capture, forever.
+    return backend.autocast_state()[0] and torch.is_autocast_cache_enabled()
+
+
 def _check_callable(func: Callable, name: str, args: tuple, kwargs: Dict[str, Any], backend: Backend) -> None:
     def refuse(message: str) -> GraphCaptureError:
         return GraphCaptureError(message, module_name=name)
@@ -385,7 +391,8 @@ def _check_callable(func: Callable, name: str, args: tuple, kwargs: Dict[str, An
             if getattr(sub, "sparse", False) is True:
                 raise refuse(f"{where} makes sparse gradients (sparse=True), which are built with host syncs that a "
                              "graph cannot capture; use sparse=False, or leave this module eager")
-            hooks = [kind for kind in MODULE_HOOK_KINDS if getattr(sub, kind, None)]
+            # The module's own hooks run around the graphed forward on every call; its submodules' would not.
+            hooks = [kind for kind in MODULE_HOOK_KINDS if sub_name and getattr(sub, kind, None)]
             if hooks:
                 raise refuse(f"{where} has module hooks ({', '.join(h.strip('_') for h in hooks)}); hooks run "
                              "once at capture and never on replay. Remove them before graphing, or leave this "
@@ -401,7 +408,7 @@ def _check_callable(func: Callable, name: str, args: tuple, kwargs: Dict[str, An
         raise refuse(f"{name}: call arguments must be tensors, None or bools, whose values a graph can take anew "
                      f"on each replay (got {', '.join(bad)}); pass such values as tensors or through a module "
                      "attribute, or keep this module eager (NPUGraphCallback(on_failure='eager'))")
-    if backend.autocast_state()[0] and torch.is_autocast_cache_enabled():
+    if _autocast_cache_on(backend):
         raise refuse(f"{name}: graphing under autocast needs cache_enabled=False "
                      f"(torch.autocast('{backend.device_type}', ..., cache_enabled=False))")
 

@@ -18,7 +18,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from .errors import GraphCaptureError, GraphStateError
 from .graphs import Graph, graph
 from .signatures import describe, unique_tensors
-from .state_attributes import StateAttributes, StorageReads, tensors_in
+from .state_attributes import StateAttributes, StorageReads, carried_state_message, tensors_in
 
 if TYPE_CHECKING:
     from .callables import GraphedCallable
@@ -43,7 +43,7 @@ class PoolOrder:
     """
 
     def __init__(self) -> None:
-        self.pending: Dict[int, Tuple[Tuple[int, int], Any, str]] = {}
+        self.pending: Dict[int, Tuple[Tuple[int, int], Any]] = {}
 
     @staticmethod
     def of(pool: Any) -> "PoolOrder":
@@ -56,14 +56,14 @@ class PoolOrder:
         """A backward captured at ``order`` is about to replay: the calls captured after it in the same batch
         whose backward is still pending lose their activations (that graph reuses their memory). Their
         backward, should it come, is refused; calls whose outputs were only watched never notice."""
-        for key, (other, ctx_ref, _) in list(self.pending.items()):
+        for key, (other, ctx_ref) in list(self.pending.items()):
             ctx = ctx_ref()
             if ctx is not None and other[0] == order[0] and other[1] > order[1]:
                 ctx.overwritten_by = by
                 del self.pending[key]
 
     def may_replay(self, order: Tuple[int, int]) -> bool:
-        for key, (other, ctx_ref, _) in list(self.pending.items()):
+        for key, (other, ctx_ref) in list(self.pending.items()):
             if ctx_ref() is None:  # its autograd graph was dropped without a backward
                 del self.pending[key]
             elif other[0] != order[0] or other[1] >= order[1]:
@@ -214,7 +214,7 @@ class CapturedSignature:
             def forward(ctx: Any, *inputs: torch.Tensor) -> Tuple[torch.Tensor, ...]:
                 sig.replay_forward(inputs[:num_user])
                 ctx.replay = sig.replays
-                pool_order.pending[id(sig)] = (sig.order, weakref.ref(ctx), name)
+                pool_order.pending[id(sig)] = (sig.order, weakref.ref(ctx))
                 ctx.in_checkpoint = in_checkpoint_forward()
                 outputs = tuple(o.detach() for o in sig.static_outputs)
                 ctx.mark_non_differentiable(*(o for o, s in zip(outputs, sig.static_outputs) if not s.requires_grad))
@@ -363,13 +363,9 @@ def capture_signatures(sigs: Sequence[CapturedSignature], key_of: Dict[int, tupl
                 kept = attributes.get(id(current.owner))
                 carried = kept.carried(list(current.static_outputs), current.static_inputs) if kept is not None else []
                 if carried:
-                    raise GraphCaptureError(
-                        f"{current.owner.name}: its forward carries tensors from call to call in "
-                        f"{', '.join(carried)}: it reads a tensor an earlier call stored there and stores a new one "
-                        "(e.g. self.avg = 0.9 * self.avg + ...), or adds to a list or dict (a cache filled per "
-                        "input length). A replay runs on the tensors it saw at capture and runs no Python, so it "
-                        "would read the capture-time tensor on every call and add nothing. Update state in place "
-                        "(self.avg.mul_(0.9).add_(...)), fill caches before graphing, or keep this module eager")
+                    raise GraphCaptureError(carried_state_message(
+                        f"{current.owner.name}: its forward", "call", carried, "Update such state in place "
+                        "(self.avg.mul_(0.9).add_(...)), fill caches before graphing, or keep this module eager."))
                 if kept is not None:
                     kept.guard_written_with_grad(
                         lambda t, name, owner=current.owner.name: _NoBackward.apply(t, name, owner))

@@ -127,7 +127,7 @@ class Graph:
     def update(self, cpu_update_input: List[Dict[str, Any]]) -> None:
         """Give the captured updatable ops new host arguments for the next replay.
 
-        ``cpu_update_input`` is a list of dicts in capture order, one per updatable op, or a single dict
+        ``cpu_update_input`` is a list of dicts in capture order, one per updatable op, or a one-dict list
         for all of them. The graph must have been captured with ``graph(..., auto_dispatch_capture=True)``.
         """
         if self._state != _CAPTURED:

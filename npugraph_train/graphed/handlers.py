@@ -161,7 +161,8 @@ def check_update(records: List[DispatchRecord], cpu_update_input: List[Dict[str,
         unknown = set().union(*(set(d) - r.updatable for d, r in zip(inputs, records)))
     else:
         raise ValueError(f"cpu_update_input has {len(cpu_update_input)} entries but the graph captured "
-                         f"{len(records)} updatable ops; pass one dict per op in capture order, or one dict for all")
+                         f"{len(records)} updatable ops; pass one dict per op in capture order, or a one-dict list "
+                         "for all")
     if unknown:
         missing = set().union(*(r.missing for r in records)) & unknown
         hint = (f"; {', '.join(sorted(missing))} kept its default at capture, so the op never received it: pass "

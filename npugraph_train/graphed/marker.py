@@ -27,7 +27,11 @@ T = TypeVar("T")
 
 @dataclass(frozen=True)
 class GraphSafeOptions:
-    """Per-module capture options; None means "use the callback's setting"."""
+    """Capture options of a marked module; None means "use the callback's setting".
+
+    ``max_signatures`` is the module's own. The callback captures all modules of a step together, so it
+    uses the largest ``num_warmup_iters`` and ``allow_unused_input`` if any module asks for it.
+    """
 
     max_signatures: Optional[int] = None
     num_warmup_iters: Optional[int] = None

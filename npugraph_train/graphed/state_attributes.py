@@ -82,6 +82,16 @@ def _storage(t: torch.Tensor) -> Optional[int]:
         return None
 
 
+def carried_state_message(who: str, unit: str, names: List[str], fixes: str) -> str:
+    """Why ``who`` (a module's forward, ``training_step``) cannot be captured with state kept in ``names``."""
+    shown = ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
+    return (f"{who} carries state from {unit} to {unit} in the attribute(s) {shown}: it reads a tensor an earlier "
+            f"{unit} stored there and stores a new one (e.g. self.avg = 0.9 * self.avg + ..., an RNN's hidden "
+            "state), or adds to a list or dict (a cache filled per input length). A replay runs on the tensors it "
+            f"saw at capture and runs no Python, so every {unit} would read the capture-time tensors and add "
+            f"nothing. {fixes} The attributes are left as before the capture")
+
+
 class StorageReads(TorchDispatchMode):
     """The storages that the captured ops take as inputs."""
 

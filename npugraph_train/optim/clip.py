@@ -12,8 +12,8 @@ def clip_grad_norm_(parameters: Union[torch.Tensor, Iterable[torch.Tensor]], max
     """Scale gradients so that their total norm is at most ``max_norm``; returns the norm as a device tensor.
 
     The same arithmetic as ``torch.nn.utils.clip_grad_norm_`` (bitwise equal results), without its
-    host-side branches: no ``error_if_nonfinite`` check, and no ``torch.tensor(0.)`` when no parameter has
-    a gradient (the result is then an empty sum on the first parameter's device). The scale factor is
+    host-side branches: no ``error_if_nonfinite`` check. When no parameter has a gradient it returns a zero
+    on the first parameter's device (the CPU without parameters) and scales nothing. The scale factor is
     ``min(1, max_norm / (norm + 1e-6))`` computed on the device, so the same graph serves every step.
     """
     params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)

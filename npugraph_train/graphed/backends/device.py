@@ -120,7 +120,7 @@ class NPUBackend(_DeviceModuleBackend):
     name = "npu"
     device_type = "npu"
     graph_class_name = "NPUGraph"
-    supports_update = True
+    supports_update = False  # decided per instance by __init__: torch_npu >= 2.8.0.post1
 
     @classmethod
     def probe(cls) -> Optional[str]:

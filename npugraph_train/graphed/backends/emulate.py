@@ -335,10 +335,6 @@ class EmulatedGraph:
         assert self._pool is not None, "checked by Graph.pool()"
         return self._pool
 
-    @property
-    def num_ops(self) -> int:
-        return len(self._ops)
-
 
 class _EmulatedGraphContext:
     """``graph(...)`` of the emulator: capture on a side stream, like ``torch_npu.npu.graph``."""
