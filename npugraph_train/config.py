@@ -19,10 +19,11 @@ from typing import Any, Iterable, List, Mapping, Union
 
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
+from .graphed.backends import CAPTURE_ERROR_MODES
+from .graphed.backends import CHOICES as BACKENDS  # auto, npu, cuda, emulate
+
 MODES = ("off", "submodules", "whole_step")
-BACKENDS = ("auto", "npu", "cuda", "emulate")
 ON_FAILURE = ("raise", "eager")
-CAPTURE_ERROR_MODES = ("global", "thread_local", "relaxed")
 
 
 @dataclass

@@ -780,6 +780,9 @@ def test_using_batch_idx_during_capture_warns_at_the_line():
     model = KeepsIdx()
     trainer([NPUGraphCallback(mode="whole_step")], max_steps=5).fit(model, *loaders())
     assert type(copy.deepcopy(model).last_idx) is int and type(pickle.loads(pickle.dumps(model.last_idx))) is int
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert model.last_idx + 1 > 0  # read after the capture (in a callback, say): not the step's read
 
 
 def test_python_values_returned_from_training_step_warn():
@@ -790,3 +793,94 @@ def test_python_values_returned_from_training_step_warn():
     torch.manual_seed(0)
     with pytest.warns(UserWarning, match=r"training_step returns 'batch_idx' \(3\): non-tensor values"):
         trainer([NPUGraphCallback(mode="whole_step")], max_steps=5).fit(ReturnsIds(), *loaders())
+
+
+class EpochState(Scheduled):
+    """State reset at each epoch's start, the capture landing on an epoch's first batch (3 batches an epoch)."""
+
+    def __init__(self, kind):
+        super().__init__()
+        self.kind, self.hidden, self.stats = kind, None, {}
+        self.register_buffer("full_mask", torch.ones(8, 8), persistent=False)
+        self.register_buffer("mask", None, persistent=False)
+
+    def on_train_epoch_start(self):
+        self.hidden = None
+        self.stats.clear()
+
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        if self.kind == "hidden":  # an RNN's hidden state, carried within the epoch
+            state = loss.detach() if self.hidden is None else 0.5 * self.hidden + loss.detach()
+            loss, self.hidden = loss + 0.1 * state, state
+        elif self.kind == "stats":  # written only
+            self.stats["loss"] = loss.detach()
+        else:  # a registered buffer bound to a view of another
+            self.mask = self.full_mask[:4]
+        self.log("pred_mean", self(batch[0]).mean(0))  # shape (1,): logged as a scalar, as eager logs it
+        return loss
+
+
+@pytest.mark.parametrize("kind", ["hidden", "stats", "mask"])
+def test_state_reset_at_epoch_start_waits_for_a_filled_step(kind):
+    def fit(callbacks):
+        torch.manual_seed(0)
+        model, metrics = EpochState(kind), []
+        log = Callback()
+        log.on_train_batch_end = lambda t, *args: metrics.append(t.callback_metrics["pred_mean"].clone())
+        trainer([log] + callbacks, max_steps=9, val_check_interval=None).fit(model, loaders(n=24)[0])
+        return model, metrics
+
+    if kind == "hidden":  # the step after the empty one reads it: refused, as any carried state
+        with pytest.raises(ngt.GraphCaptureError, match=r"carries state from step to step in the attribute\(s\) "
+                                                        r"hidden"):
+            fit([NPUGraphCallback(mode="whole_step")])
+        return
+    callback = NPUGraphCallback(mode="whole_step")
+    (eager, eager_metrics), (graphed, graphed_metrics) = fit([]), fit([callback])
+    assert _same(eager, graphed) and all(m.shape == () for m in graphed_metrics)
+    assert all(torch.equal(a, b) for a, b in zip(eager_metrics, graphed_metrics))
+    waited = {reason: n for reason, n in callback.report()[0]["eager_calls"].items() if "held nothing" in reason}
+    assert list(waited.values()) == ([1] if kind == "stats" else []), waited
+
+
+def test_plain_python_metric_objects_updated_in_the_step_are_refused():
+    class Mean:  # torchmetrics-like, not an nn.Module
+        def __init__(self):
+            self.total = torch.zeros(())
+
+        def update(self, value):
+            self.total = self.total + value
+
+        def compute(self):
+            return self.total
+
+    class Tracks(Scheduled):
+        def __init__(self):
+            super().__init__()
+            self.running = Mean()
+
+        def training_step(self, batch, batch_idx):
+            loss = super().training_step(batch, batch_idx)
+            self.running.update(loss.detach())
+            return loss
+
+    with pytest.raises(ngt.GraphCaptureError, match=r"attribute\(s\) running.total.*Mean \(torchmetrics\) rebinds"):
+        trainer([NPUGraphCallback(mode="whole_step")], max_steps=6).fit(Tracks(), *loaders())
+
+
+def test_one_hot_targets_capture_on_the_emulator():
+    class OneHot(Scheduled):
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            target = torch.nn.functional.one_hot((y > 0).long().squeeze(1), 2).float()[:, :1]
+            return torch.nn.functional.mse_loss(self(x), target)
+
+    def fit(callbacks):
+        torch.manual_seed(0)
+        model = OneHot()
+        trainer(callbacks, max_steps=8).fit(model, *loaders())
+        return model
+
+    callback = NPUGraphCallback(mode="whole_step")
+    assert _same(fit([]), fit([callback])) and callback.report()[0]["replays"] >= 4

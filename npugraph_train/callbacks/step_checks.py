@@ -11,6 +11,7 @@ hooks), so that the step is captured again instead of replaying a stale setup.
 from __future__ import annotations
 
 import contextlib
+import functools
 import sys
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
@@ -31,7 +32,8 @@ def is_metric(value: Any) -> bool:
 
 
 def rebinding_error(root: torch.nn.Module, names: List[str]) -> GraphCaptureError:
-    owners = [root.get_submodule(name.rpartition(".")[0]) for name in names]
+    # Attribute paths: submodules, or metric objects that are plain Python objects.
+    owners = [functools.reduce(getattr, name.split(".")[:-1], root) for name in names]
     metrics = sorted({type(m).__name__ for m in owners if is_metric(m)})
     metric_fix = (f" {', '.join(metrics)} (torchmetrics) rebinds its states in update() and forward(): call "
                   "metric.update(...) and self.log(name, metric) in on_train_batch_end, with the outputs "
@@ -81,21 +83,30 @@ class WatchedIndex(int):
     def __reduce__(self) -> Any:  # kept by the user (self.last_idx = batch_idx): copies and pickles are ints
         return int, (int(self),)
 
+    def stop_watching(self) -> None:
+        """After the capture: a kept value read later (in a callback) is no read of the captured step."""
+        self._on_read = None
+
 
 def _watched(name: str) -> Callable:
     method = getattr(int, name)
 
     def watched(self: WatchedIndex, *args: Any) -> Any:
-        if user_frame() is sys._getframe(1):
+        if self._on_read is not None and user_frame() is sys._getframe(1):
             self._on_read("batch_idx", int(self))
         return method(self, *args)
     return watched
 
 
+# Every int operation that calls back into Python. Those that read the value in C do not (float arithmetic
+# such as 0.1 * batch_idx, indexing, torch.tensor(batch_idx)): they go unwatched.
 for _name in ("__eq__", "__ne__", "__lt__", "__le__", "__gt__", "__ge__", "__hash__", "__bool__", "__index__",
               "__int__", "__float__", "__str__", "__repr__", "__format__", "__add__", "__radd__", "__sub__",
               "__rsub__", "__mul__", "__rmul__", "__mod__", "__rmod__", "__floordiv__", "__rfloordiv__",
-              "__truediv__", "__rtruediv__", "__pow__", "__and__", "__or__", "__xor__", "__neg__"):
+              "__truediv__", "__rtruediv__", "__pow__", "__rpow__", "__divmod__", "__rdivmod__", "__and__",
+              "__rand__", "__or__", "__ror__", "__xor__", "__rxor__", "__lshift__", "__rlshift__", "__rshift__",
+              "__rrshift__", "__neg__", "__pos__", "__abs__", "__invert__", "__round__", "__trunc__", "__floor__",
+              "__ceil__"):
     setattr(WatchedIndex, _name, _watched(_name))
 
 

@@ -118,7 +118,8 @@ class _LogRecorder:
                     results.reset(metrics=False, fx=fx)
                 metric = results[key]
                 batch_size = results._extract_batch_size(metric, kwargs.get("batch_size"), metric.meta)
-                results.update_metrics(key, value.clone().detach(), batch_size)
+                # As LightningModule.__to_tensor: a one-element value of any shape is logged as a scalar.
+                results.update_metrics(key, value.clone().detach().squeeze(), batch_size)
                 connector._current_fx = fx
         finally:
             module._current_fx_name = previous
@@ -150,6 +151,7 @@ class WholeStepGrapher:
         self.recapture_reason: Optional[str] = None  # set while a changed setup waits to be captured again
         self.attributes: Optional[StateAttributes] = None
         self.status = NOT_CAPTURED
+        self._waited_for_filled = False  # one eager step already let attributes that held nothing fill
         self._warned: set = set()  # kinds of eager steps warned about
         self._loop: Optional[_WholeStepOptimization] = None
         self._original_loop: Optional[_AutomaticOptimization] = None
@@ -251,7 +253,7 @@ class WholeStepGrapher:
         module.log = self.logs
         self.graph = Graph(self.backend)
         progress = copy.deepcopy(loop.optim_progress.state_dict())
-        attributes = StateAttributes(module)
+        attributes = StateAttributes(module, holders=is_metric)
         opt = unwrap(optimizer)
         had_state = set(opt.state)
         failure: Optional[GraphCaptureError] = None
@@ -269,13 +271,27 @@ class WholeStepGrapher:
             # Capture ran no kernels: the tensors bound before it still hold the values they had then.
             escaped = [call[3] for call in self.logs.calls] + tensors_in(result)
             carried = attributes.carried(escaped, [t for t in self.static_leaves if isinstance(t, torch.Tensor)])
-        if failure is None and carried:
-            failure = rebinding_error(module, carried)
+            if isinstance(static_kwargs.get("batch_idx"), WatchedIndex):
+                static_kwargs["batch_idx"].stop_watching()
+        carried_failure = rebinding_error(module, carried) if failure is None and carried else None
+        failure = failure or carried_failure
         # Optimizer state made inside the graph would start over on every replay (parameters trained for the
         # first time: unfrozen, or in a group added at this step): an eager step makes it, then capture.
         fresh = [p for p in opt.state if p not in had_state]
         for p in fresh:  # made by the capture, failed or not: never computed (NaN on the emulator)
             del opt.state[p]
+        if attributes.filled and not self._waited_for_filled and failure is carried_failure:
+            # The step found them empty (reset at an epoch's start, say) and filled them. Capture a step that
+            # sees them filled instead, where a step that reads them (an RNN's hidden state) is told apart
+            # from one that only writes them.
+            self._waited_for_filled = True
+            attributes.restore()
+            self.graph = None
+            loop.optim_progress.load_state_dict(progress)
+            return loop.eager_step(optimizer, batch_idx, kwargs, f"capture waits: {', '.join(attributes.filled)} "
+                                   "held nothing (None, or an empty list or dict) before the step that was to be "
+                                   "captured; the next step, which finds them filled, is captured instead",
+                                   kind="filled")
         if failure is None and fresh:
             self.graph = None
             loop.optim_progress.load_state_dict(progress)
@@ -362,7 +378,8 @@ class WholeStepGrapher:
             rank_zero_warn(f"NPUGraphCallback(mode='whole_step'): {reason} after the training step was captured; "
                            "it is captured again with the new setup, on the next step with the captured batch shape. "
                            "Each change costs a capture (counted in NPUGraphCallback.report()): a setting changed "
-                           "every step is better kept constant, or as a tensor changed in place")
+                           "every step is better kept constant (learning rates may change: they are read from device "
+                           "tensors), or use mode='submodules'")
         self.graph, self.static_leaves, self.static_result, self.static_grads = None, [], {}, []
         self.recapture_reason, self.capture_delay = reason, 0
 

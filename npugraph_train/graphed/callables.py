@@ -47,7 +47,7 @@ from torch.utils.hooks import RemovableHandle
 from .backends import Backend, get_backend
 from .captured import CapturedSignature, SignatureStats, batch_ids, capture_signatures
 from .errors import GraphCaptureError, GraphStateError
-from .signatures import (describe, difference_hint, flatten_call, is_constant, serves, signature, static_copies,
+from .signatures import (describe_signature, difference_hint, flatten_call, is_constant, serves, signature, static_copies,
                          within)
 from .user_code import warn_at_user_code
 
@@ -210,7 +210,7 @@ class GraphedCallable:
                 sig = self._capture_new(key, flat, spec)
             except GraphCaptureError as exc:
                 # The cause alone: the error itself says "capturing <name> failed", which the report says already.
-                self._failed[key] = f"capturing signature {describe(key)} failed: {exc.__cause__ or exc}"
+                self._failed[key] = f"capturing signature {describe_signature(key)} failed: {exc.__cause__ or exc}"
                 return self._eager(self._failed[key], args, kwargs, kind="capture failed")
         if not sig.pool_order.may_replay(sig.order):
             if getattr(sig.pending_ctx(), "in_checkpoint", False) and torch._C._current_graph_task_id() != -1:
@@ -261,10 +261,10 @@ class GraphedCallable:
         if key in self._failed:  # one failed capture of a signature is enough: its calls run eager
             return "capture failed", self._failed[key]
         if len(self.signatures) >= self.max_signatures:
-            return "max_signatures", (f"signature {describe(key)} not captured (max_signatures={self.max_signatures}"
+            return "max_signatures", (f"signature {describe_signature(key)} not captured (max_signatures={self.max_signatures}"
                                       f" reached){difference_hint(key, self.signatures)}")
         if any(not isinstance(t, torch.Tensor) and not is_constant(t) for t in flat):
-            return "non-tensor", f"non-tensor argument in {describe(key)}"
+            return "non-tensor", f"non-tensor argument in {describe_signature(key)}"
         if self.backend.is_current_stream_capturing():
             return "nested", "new signature met during another capture"
         if torch.is_inference_mode_enabled():

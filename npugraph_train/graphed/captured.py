@@ -17,7 +17,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from .errors import GraphCaptureError, GraphStateError
 from .graphs import Graph, graph
-from .signatures import describe, unique_tensors
+from .signatures import describe_signature, unique_tensors
 from .state_attributes import StateAttributes, StorageReads, carried_state_message, tensors_in
 
 if TYPE_CHECKING:
@@ -387,7 +387,7 @@ def capture_signatures(sigs: Sequence[CapturedSignature], key_of: Dict[int, tupl
         pool_bytes = [g.pool_bytes() for g in (s.fwd_graph, s.bwd_graph)]
         earlier = s.owner.stats.get(key)  # captured before, then dropped (requires_grad changed)
         s.owner.stats[key] = SignatureStats(
-            describe(key), replays=earlier.replays if earlier else 0,
+            describe_signature(key), replays=earlier.replays if earlier else 0,
             capture_seconds=seconds[id(s)] + (earlier.capture_seconds if earlier else 0.0),
             pool_bytes=None if pool_bytes[0] is None else sum(b or 0 for b in pool_bytes),
             captures=earlier.captures + 1 if earlier else 1)

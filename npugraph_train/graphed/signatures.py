@@ -88,7 +88,7 @@ def static_copies(flat: Sequence[Any]) -> List[Any]:
     return [copies[id(t)] if isinstance(t, torch.Tensor) else t for t in flat]
 
 
-def describe(signature: tuple) -> str:
+def describe_signature(signature: tuple) -> str:
     parts = []
     for leaf in signature[1]:
         if leaf[0] == "constant":

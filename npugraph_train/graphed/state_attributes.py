@@ -117,7 +117,8 @@ class StateAttributes:
     capture refused. Which one is told by whether the captured ops read the old tensors.
     """
 
-    def __init__(self, root: torch.nn.Module, reads: Optional["StorageReads"] = None) -> None:
+    def __init__(self, root: torch.nn.Module, reads: Optional["StorageReads"] = None,
+                 holders: Callable[[Any], bool] = lambda value: False) -> None:
         self.reads = reads if reads is not None else StorageReads()  # enter around the capture
         # Storages every step reads for their own sake: an attribute holding a view of one of them (self.wt =
         # self.w.t(), self.m = self.mask[:n]) is recomputed from it, not state carried over.
@@ -126,9 +127,15 @@ class StateAttributes:
         self._before: List[Tuple[str, torch.nn.Module, str, str, Any, _Snapshot]] = []
         # Host values beside them (a cache's length: restored together with the cache it describes).
         self._scalars: List[Tuple[torch.nn.Module, str, Any]] = []
-        for path, module in root.named_modules():
-            skip = _recomputed_by_hooks(module) if module._forward_pre_hooks else ()
-            for where in ("_buffers", "__dict__"):
+        # Plain Python objects that ``holders`` accepts (metric objects) keep tensor state the same way.
+        owners: List[Tuple[str, Any]] = list(root.named_modules())
+        owners += [(f"{path + '.' if path else ''}{attr}", value) for path, module in list(owners)
+                   for attr, value in vars(module).items()
+                   if not isinstance(value, torch.nn.Module) and hasattr(value, "__dict__") and holders(value)]
+        for path, module in owners:
+            is_module = isinstance(module, torch.nn.Module)
+            skip = _recomputed_by_hooks(module) if is_module and module._forward_pre_hooks else ()
+            for where in ("_buffers", "__dict__") if is_module else ("__dict__",):
                 for attr, value in getattr(module, where).items():
                     if where == "__dict__" and attr in ("_parameters", "_buffers", "_modules"):
                         continue  # nn.Module's own registries: their entries are tracked one by one
@@ -137,6 +144,9 @@ class StateAttributes:
                         self._before.append((path, module, where, attr, value, _snapshot(value)))
                     elif where == "__dict__" and type(value) in _SCALARS:
                         self._scalars.append((module, attr, value))
+        # Attributes that held nothing (None, an empty list or dict) before the capture and tensors after it: the
+        # captured step took the "nothing yet" path (an RNN's hidden state reset at each epoch's start).
+        self.filled: List[str] = []
         # Written-only attributes, as the capture left them: bound again before every replay.
         # (module path, module, "_buffers" or "__dict__", attribute, value, its snapshot)
         self.written: List[Tuple[str, torch.nn.Module, str, str, Any, _Snapshot]] = []
@@ -161,11 +171,15 @@ class StateAttributes:
             new = [t for t in after if isinstance(t, torch.Tensor) and not any(t is b for b in before)]
             if not old and not new:
                 continue  # Python values added or changed: not tensor state
+            if new and (value is None or (snapshot is not None and not snapshot[1])):  # None, or empty then
+                self.filled.append(f"{path}.{attr}" if path else attr)
             grew = len(after) > len(before) and bool(new)  # appended: a replay would not append again
             moved = [t for t in old if any(t is a for a in after)]  # a shifted window
-            # A registered buffer rebound is state even though every step reads its storage.
+            # A registered buffer rebound is state even though every step reads its storage (unless it is
+            # only a view of another one: self.mask = self.full_mask[:n]).
             read = [t for t in old if (_storage(t) is not None and _storage(t) in self.reads.read and (
-                _storage(t) not in own or (where == "_buffers" and t is value))) or any(t is e for e in escaped)]
+                _storage(t) not in own or (where == "_buffers" and t is value and t._base is None)))
+                or any(t is e for e in escaped)]
             if grew or moved or read:
                 carried.append(f"{path}.{attr}" if path else attr)
                 getattr(module, where)[attr] = value

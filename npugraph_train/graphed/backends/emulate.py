@@ -160,7 +160,18 @@ class _HostReadGuard(TorchFunctionMode):
         if func in _HOST_READ_METHODS:
             what = "printing a tensor" if func.__name__.startswith("__") else f"Tensor.{func.__name__}()"
             raise _capture_error(f"{what} reads tensor data on the host")
+        if func is torch.nn.functional.one_hot:
+            return _one_hot(*args, **(kwargs or {}))
         return func(*args, **(kwargs or {}))
+
+
+def _one_hot(indices: torch.Tensor, num_classes: int = -1) -> torch.Tensor:
+    # ATen's one_hot checks the index range with .item() on the CPU only (not on CUDA, NPU, MPS or XLA): as
+    # on a device, no check. Without num_classes it needs the largest index on the host on every device.
+    if num_classes < 0:
+        return torch.nn.functional.one_hot(indices, num_classes)
+    out = torch.zeros(*indices.shape, num_classes, dtype=torch.long, device=indices.device)
+    return out.scatter_(-1, indices.unsqueeze(-1), 1)
 
 
 class _Recorder(TorchDispatchMode):
