@@ -884,3 +884,34 @@ def test_one_hot_targets_capture_on_the_emulator():
 
     callback = NPUGraphCallback(mode="whole_step")
     assert _same(fit([]), fit([callback])) and callback.report()[0]["replays"] >= 4
+
+
+def test_metric_modules_updated_outside_the_step_cost_no_recapture():
+    class MeanMetric(torch.nn.Module):  # reset() rebinds its buffers, as metric libraries do
+        def __init__(self):
+            super().__init__()
+            self.reset()
+
+        def reset(self):
+            self.register_buffer("total", torch.zeros(()))
+
+        def update(self, value):
+            self.total += value
+
+        def compute(self):
+            return self.total
+
+    class Tracks(Scheduled):
+        def __init__(self):
+            super().__init__()
+            self.running = MeanMetric()
+
+        def on_train_batch_end(self, outputs, batch, batch_idx):
+            self.running.update(outputs["loss"].detach())
+
+        def on_train_epoch_end(self):
+            self.running.reset()
+
+    callback = NPUGraphCallback(mode="whole_step")
+    trainer([callback], max_steps=20).fit(Tracks(), *loaders())
+    assert callback.report()[0]["captures"] == 1

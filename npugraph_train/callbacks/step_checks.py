@@ -122,9 +122,10 @@ def python_outputs(result: Dict[str, Any]) -> List[str]:
 
 
 def _structure(root: torch.nn.Module) -> List[tuple]:
-    """Per module: its parameters and buffers (by identity) and how many hooks it has."""
+    """Per module: its parameters and buffers (by identity) and how many hooks it has. Metric modules are left
+    out: a captured step cannot update them (refused at capture), and their reset() rebinds their buffers."""
     return [(id(m), tuple(map(id, m._parameters.values())), tuple(map(id, m._buffers.values())))
-            + tuple(len(getattr(m, kind)) for kind in MODULE_HOOK_KINDS) for m in root.modules()]
+            + tuple(len(getattr(m, kind)) for kind in MODULE_HOOK_KINDS) for m in root.modules() if not is_metric(m)]
 
 
 def _changed_setting(before: List[Dict[str, Any]], sizes: List[int],
