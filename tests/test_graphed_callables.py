@@ -1019,3 +1019,47 @@ class TestModuleState:
             inner = nn.Sequential(nn.Linear(4, 4))
             inner[0].register_forward_hook(lambda *args: None)
             ng.make_graphed_callables(inner, (torch.zeros(3, 4),))
+
+    def test_one_time_data_dependent_init_done_in_warmup_stays_done(self):
+        class ActNorm(nn.Module):  # Glow's ActNorm: initialised from the first batch it sees
+            def __init__(self):
+                super().__init__()
+                self.loc, self.scale = nn.Parameter(torch.zeros(4)), nn.Parameter(torch.ones(4))
+                self.initialized = False
+
+            def forward(self, x):
+                if not self.initialized:
+                    with torch.no_grad():
+                        self.loc.copy_(-x.mean(0))
+                        self.scale.copy_(1 / (x.std(0) + 1e-6))
+                    self.initialized = True
+                return (x + self.loc) * self.scale
+
+        torch.manual_seed(0)
+        eager, x = ActNorm(), torch.randn(8, 4)
+        graphed = ng.make_graphed_callables(copy.deepcopy(eager), (x,))
+        eager(x)  # the graphed one was initialised by warmup on its sample
+        for _ in range(3):
+            y = torch.randn(8, 4)
+            assert torch.equal(eager(y), graphed(y))
+        assert torch.equal(eager.loc, graphed.loc)
+
+    def test_state_kept_in_a_buffer_rebound_to_a_view_is_refused(self):
+        class Window(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.lin = nn.Linear(4, 4)
+                self.register_buffer("hist", torch.zeros(4))
+
+            def forward(self, x):
+                self.hist = torch.cat([self.hist, x.detach().mean()[None]])[-4:]  # a view of a new tensor
+                return self.lin(x) + self.hist.sum()
+
+        with pytest.raises(ng.GraphCaptureError, match=r"carries state from call to call in the attribute\(s\) hist"):
+            ng.make_graphed_callables(Window(), (torch.zeros(3, 4),))
+
+    def test_weights_recomputed_by_hooks_of_the_module_itself_are_refused(self):
+        import torch.nn.utils.prune as prune
+        model = prune.l1_unstructured(nn.Linear(4, 4), "weight", amount=0.5)
+        with pytest.raises(ng.GraphCaptureError, match="Linear has module hooks"):
+            ng.make_graphed_callables(model, (torch.zeros(3, 4),))

@@ -326,6 +326,7 @@ class WholeStepGrapher:
                               "pool_bytes": self.pool_bytes})
         self.recapture_reason = None
         self.status = "graphed"
+        self._waited_for_filled = False  # a later recapture may land on an epoch's first batch again
         # Capture runs no kernels: this replay is the capture step's update.
         return self.replay_step(loop, batch=kwargs["batch"])
 

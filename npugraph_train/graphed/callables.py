@@ -49,6 +49,7 @@ from .captured import CapturedSignature, SignatureStats, batch_ids, capture_sign
 from .errors import GraphCaptureError, GraphStateError
 from .signatures import (describe_signature, difference_hint, flatten_call, is_constant, serves, signature, static_copies,
                          within)
+from .state_attributes import recomputed_by_hooks
 from .user_code import warn_at_user_code
 
 # A module's hook dicts; hooks inside a graphed module would run once, at capture.
@@ -391,8 +392,10 @@ def _check_callable(func: Callable, name: str, args: tuple, kwargs: Dict[str, An
             if getattr(sub, "sparse", False) is True:
                 raise refuse(f"{where} makes sparse gradients (sparse=True), which are built with host syncs that a "
                              "graph cannot capture; use sparse=False, or leave this module eager")
-            # The module's own hooks run around the graphed forward on every call; its submodules' would not.
-            hooks = [kind for kind in MODULE_HOOK_KINDS if sub_name and getattr(sub, kind, None)]
+            # The module's own hooks run around the graphed forward on every call; its submodules' would not,
+            # nor would its own that recompute a weight (prune, weight_norm): the graph reads the captured one.
+            hooks = [kind for kind in MODULE_HOOK_KINDS if (sub_name or recomputed_by_hooks(sub))
+                     and getattr(sub, kind, None)]
             if hooks:
                 raise refuse(f"{where} has module hooks ({', '.join(h.strip('_') for h in hooks)}); hooks run "
                              "once at capture and never on replay. Remove them before graphing, or leave this "

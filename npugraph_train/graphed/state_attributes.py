@@ -16,7 +16,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 
-def _recomputed_by_hooks(module: torch.nn.Module) -> set:
+def recomputed_by_hooks(module: torch.nn.Module) -> set:
     """Attributes a forward pre-hook sets from parameters on every call (torch.nn.utils.prune, weight_norm,
     spectral_norm): rebinding them inside the step is how they work, and the graph recomputes them."""
     names = set()
@@ -36,6 +36,13 @@ def tensors_in(value: Any) -> List[torch.Tensor]:
 
 
 _SCALARS = (bool, int, float, str)
+
+def _accepted(holders: Callable[[Any], bool], value: Any) -> bool:
+    try:
+        return hasattr(value, "__dict__") and holders(value)
+    except Exception:  # a dead weakref.proxy, a property that raises: not a metric object
+        return False
+
 
 # A container's structure and leaves (nested lists, tuples, dicts), to compare by position and identity.
 _Snapshot = Optional[Tuple[Any, tuple]]
@@ -122,7 +129,9 @@ class StateAttributes:
         self.reads = reads if reads is not None else StorageReads()  # enter around the capture
         # Storages every step reads for their own sake: an attribute holding a view of one of them (self.wt =
         # self.w.t(), self.m = self.mask[:n]) is recomputed from it, not state carried over.
-        self._own = {_storage(t) for t in itertools.chain(root.parameters(), root.buffers())}
+        own_tensors = list(itertools.chain(root.parameters(), root.buffers()))
+        self._own = {_storage(t) for t in own_tensors}
+        self._own_ids = {id(t) for t in own_tensors}
         # (module path, module, "_buffers" or "__dict__", attribute, value, its snapshot)
         self._before: List[Tuple[str, torch.nn.Module, str, str, Any, _Snapshot]] = []
         # Host values beside them (a cache's length: restored together with the cache it describes).
@@ -131,10 +140,10 @@ class StateAttributes:
         owners: List[Tuple[str, Any]] = list(root.named_modules())
         owners += [(f"{path + '.' if path else ''}{attr}", value) for path, module in list(owners)
                    for attr, value in vars(module).items()
-                   if not isinstance(value, torch.nn.Module) and hasattr(value, "__dict__") and holders(value)]
+                   if not isinstance(value, torch.nn.Module) and _accepted(holders, value)]
         for path, module in owners:
             is_module = isinstance(module, torch.nn.Module)
-            skip = _recomputed_by_hooks(module) if is_module and module._forward_pre_hooks else ()
+            skip = recomputed_by_hooks(module) if is_module and module._forward_pre_hooks else ()
             for where in ("_buffers", "__dict__") if is_module else ("__dict__",):
                 for attr, value in getattr(module, where).items():
                     if where == "__dict__" and attr in ("_parameters", "_buffers", "_modules"):
@@ -176,9 +185,9 @@ class StateAttributes:
             grew = len(after) > len(before) and bool(new)  # appended: a replay would not append again
             moved = [t for t in old if any(t is a for a in after)]  # a shifted window
             # A registered buffer rebound is state even though every step reads its storage (unless it is
-            # only a view of another one: self.mask = self.full_mask[:n]).
+            # only a view of another buffer or a parameter: self.mask = self.full_mask[:n]).
             read = [t for t in old if (_storage(t) is not None and _storage(t) in self.reads.read and (
-                _storage(t) not in own or (where == "_buffers" and t is value and t._base is None)))
+                _storage(t) not in own or (where == "_buffers" and t is value and id(t._base) not in self._own_ids)))
                 or any(t is e for e in escaped)]
             if grew or moved or read:
                 carried.append(f"{path}.{attr}" if path else attr)
@@ -200,13 +209,19 @@ class StateAttributes:
                 getattr(module, where)[attr] = guarded
 
     def restore(self) -> None:
-        """Bind every attribute to what it held before, host values too (eager warmup calls may have
-        rebound them: a cache grown for a longer input, and the length it records)."""
+        """Bind every attribute to what it held before (eager warmup calls may have rebound them), and the host
+        values of the modules where one was rebound (a cache grown for a longer input, and the length it
+        records). Host values of other modules stay: an initialised flag set beside parameters changed in
+        place (ActNorm's data-dependent init) must stay set."""
+        rebound = set()
         for _, module, where, attr, value, snapshot in self._before:
+            if getattr(module, where).get(attr) is not value or not _unchanged(value, snapshot, value):
+                rebound.add(id(module))
             getattr(module, where)[attr] = value
             _refill(value, snapshot)
         for module, attr, value in self._scalars:
-            module.__dict__[attr] = value
+            if id(module) in rebound:
+                module.__dict__[attr] = value
 
     def rebind_written(self) -> None:
         """Bind written-only attributes to the graph's tensors again (an eager step may have rebound them)."""

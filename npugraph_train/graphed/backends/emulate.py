@@ -165,13 +165,13 @@ class _HostReadGuard(TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
 
-def _one_hot(indices: torch.Tensor, num_classes: int = -1) -> torch.Tensor:
+def _one_hot(tensor: torch.Tensor, num_classes: int = -1) -> torch.Tensor:
     # ATen's one_hot checks the index range with .item() on the CPU only (not on CUDA, NPU, MPS or XLA): as
     # on a device, no check. Without num_classes it needs the largest index on the host on every device.
     if num_classes < 0:
-        return torch.nn.functional.one_hot(indices, num_classes)
-    out = torch.zeros(*indices.shape, num_classes, dtype=torch.long, device=indices.device)
-    return out.scatter_(-1, indices.unsqueeze(-1), 1)
+        return torch.nn.functional.one_hot(tensor, num_classes)
+    out = torch.zeros(*tensor.shape, num_classes, dtype=torch.long, device=tensor.device)
+    return out.scatter_(-1, tensor.unsqueeze(-1), 1)
 
 
 class _Recorder(TorchDispatchMode):
