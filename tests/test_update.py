@@ -162,6 +162,9 @@ def test_graphed_callable_call_without_update_is_refused():
         model(torch.randn(4, 10, 8))
     with pytest.raises(ng.GraphStateError, match="needs make_graphed_callables.*auto_dispatch_capture=True"):
         ng.graphed_state(ng.make_graphed_callables(nn.Linear(2, 2), (torch.zeros(1, 2),))).update([{}])
+    for malformed in ({"lengths": [10] * 4}, {"forward": {"lengths": [10] * 4}}):  # a dict, not a list of them
+        with pytest.raises(TypeError, match="VarLenRegressor: update\\(\\) takes a list of dicts"):
+            ng.graphed_state(model).update(malformed)
 
 
 def test_cuda_refuses_updates_with_the_alternative(cuda_double):

@@ -47,8 +47,8 @@ from torch.utils.hooks import RemovableHandle
 from .backends import Backend, get_backend
 from .captured import CapturedSignature, SignatureStats, batch_ids, capture_signatures
 from .errors import GraphCaptureError, GraphStateError
-from .signatures import (describe_signature, difference_hint, flatten_call, is_constant, serves, signature, static_copies,
-                         within)
+from .signatures import (describe_signature, difference_hint, flatten_call, is_constant, serves, signature,
+                         static_copies, within)
 from .state_attributes import recomputed_by_hooks
 from .user_code import warn_at_user_code
 
@@ -242,6 +242,13 @@ class GraphedCallable:
         if not self.auto_dispatch_capture:
             raise GraphStateError(f"{self.name}: update() needs make_graphed_callables(..., "
                                   "auto_dispatch_capture=True)")
+        per_graph = cpu_update_input.values() if isinstance(cpu_update_input, dict) else [cpu_update_input]
+        if (isinstance(cpu_update_input, dict) and not set(cpu_update_input) <= {"forward", "backward"}) or not all(
+                isinstance(lists, (list, tuple)) and all(isinstance(d, dict) for d in lists) for lists in per_graph):
+            # Checked now, not at the next call, where the error could not say which update() was wrong.
+            raise TypeError(f"{self.name}: update() takes a list of dicts (one per updatable op in capture order, or "
+                            "a one-dict list for all), or {'forward': [...], 'backward': [...]}; got "
+                            f"{type(cpu_update_input).__name__} {cpu_update_input!r:.80}")
         self._pending_update = cpu_update_input
 
     def _hooks_added(self) -> str:
@@ -262,8 +269,9 @@ class GraphedCallable:
         if key in self._failed:  # one failed capture of a signature is enough: its calls run eager
             return "capture failed", self._failed[key]
         if len(self.signatures) >= self.max_signatures:
-            return "max_signatures", (f"signature {describe_signature(key)} not captured (max_signatures={self.max_signatures}"
-                                      f" reached){difference_hint(key, self.signatures)}")
+            return "max_signatures", (f"signature {describe_signature(key)} not captured "
+                                      f"(max_signatures={self.max_signatures} reached)"
+                                      f"{difference_hint(key, self.signatures)}")
         if any(not isinstance(t, torch.Tensor) and not is_constant(t) for t in flat):
             return "non-tensor", f"non-tensor argument in {describe_signature(key)}"
         if self.backend.is_current_stream_capturing():
