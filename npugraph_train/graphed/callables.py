@@ -49,7 +49,7 @@ from .captured import CapturedSignature, SignatureStats, batch_ids, capture_sign
 from .errors import GraphCaptureError, GraphStateError
 from .signatures import (describe_signature, difference_hint, flatten_call, is_constant, serves, signature,
                          static_copies, within)
-from .state_attributes import recomputed_by_hooks
+from .state_attributes import SCALAR_TYPES, recomputed_by_hooks
 from .user_code import warn_at_user_code
 
 # A module's hook dicts; hooks inside a graphed module would run once, at capture.
@@ -59,7 +59,6 @@ _MODE_DIFFERS = "train/eval mode differs from capture (validation and test run e
 
 
 _requires_grad = operator.attrgetter("requires_grad")
-_SETTING_TYPES = (bool, int, float, str)
 # nn.Module's own bookkeeping (hook flags and the like), which is not a setting of the forward.
 _MODULE_INTERNALS = frozenset(nn.Module().__dict__) - {"training"}
 
@@ -76,7 +75,7 @@ class ModuleSettings:
     def _find(self) -> None:
         slots = [(f"{path + '.' if path else ''}{key}", m.__dict__, key)
                  for path, m in (self.module.named_modules() if self.module is not None else ())
-                 for key, value in m.__dict__.items() if type(value) in _SETTING_TYPES and key not in _MODULE_INTERNALS]
+                 for key, value in m.__dict__.items() if type(value) in SCALAR_TYPES and key not in _MODULE_INTERNALS]
         self._names, self._dicts, self._keys = (list(z) for z in zip(*slots)) if slots else ([], [], [])
 
     def read(self) -> tuple:
@@ -93,11 +92,16 @@ class ModuleSettings:
         except RuntimeError:  # a tensor stored where a setting was (comparing it gives no bool)
             return True
 
+    @staticmethod
+    def _changed(old: Any, new: Any) -> bool:
+        # By type first: a tensor stored where a setting was compares to no bool.
+        return old is not new and (type(old) is not type(new) or old != new)
+
     def change(self, before: tuple, now: tuple) -> str:
         if len(before) != len(now):
             return "submodule settings were deleted"
         for name, old, new in zip(self._names, before, now):
-            if old is not new and (type(old) is not type(new) or old != new):
+            if self._changed(old, new):
                 return f"{name} changed from {old!r} to {new!r}"
         return "submodule settings changed"
 
@@ -106,8 +110,7 @@ class ModuleSettings:
         scalar attribute, such as a length it saw) taken over: they are the forward's, not the user's."""
         if not (len(baseline) == len(before) == len(after)):
             return baseline
-        return tuple(a if b is not a and (type(b) is not type(a) or b != a) else kept
-                     for kept, b, a in zip(baseline, before, after))
+        return tuple(a if self._changed(b, a) else kept for kept, b, a in zip(baseline, before, after))
 
 
 class GraphedCallable:

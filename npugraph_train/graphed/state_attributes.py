@@ -35,7 +35,8 @@ def tensors_in(value: Any) -> List[torch.Tensor]:
     return []
 
 
-_SCALARS = (bool, int, float, str)
+# Host values a module keeps beside its tensors (settings, lengths, flags).
+SCALAR_TYPES = (bool, int, float, str)
 
 def _accepted(holders: Callable[[Any], bool], value: Any) -> bool:
     try:
@@ -151,7 +152,7 @@ class StateAttributes:
                     if attr not in skip and (value is None or tensors_in(value)
                                              or (isinstance(value, (list, dict)) and not value)):
                         self._before.append((path, module, where, attr, value, _snapshot(value)))
-                    elif where == "__dict__" and type(value) in _SCALARS:
+                    elif where == "__dict__" and type(value) in SCALAR_TYPES:
                         self._scalars.append((module, attr, value))
         # Attributes that held nothing (None, an empty list or dict) before the capture and tensors after it: the
         # captured step took the "nothing yet" path (an RNN's hidden state reset at each epoch's start).
