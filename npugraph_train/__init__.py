@@ -1,8 +1,7 @@
 """npugraph_train: graph capture as a drop-in speed-up for PyTorch Lightning training on Ascend NPUs and CUDA."""
-from importlib.util import find_spec as _find_spec
-
 from .graphed import (BackendUnavailableError, GraphCaptureError, current_backend, graph_safe, is_graph_safe,
                       make_graphed_callables, set_backend, ungraph)
+from .graphed.backends.device import torch_npu_installed as _torch_npu_installed
 
 __version__ = "0.1.0"
 
@@ -26,5 +25,5 @@ __all__ = ["BackendUnavailableError", "GraphCaptureError", "NPUGraphCallback", "
            "graph_safe", "is_graph_safe", "make_graphed_callables", "set_backend", "ungraph"]
 
 # With torch_npu installed, make Trainer(accelerator="npu") work; without it, stay light (no Lightning import).
-if _find_spec("torch_npu") is not None:
+if _torch_npu_installed():
     from . import accelerators  # noqa: F401

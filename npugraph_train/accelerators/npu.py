@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import functools
 import importlib
-import importlib.util
 from types import ModuleType
 from typing import Any, Callable, Dict, List, Optional, Sequence, Union
 
@@ -34,17 +33,11 @@ from lightning.pytorch.strategies import SingleDeviceStrategy
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
+from ..graphed.backends.device import torch_npu_installed
+
 __all__ = ["NPUAccelerator", "SingleNPUStrategy", "register_npu"]
 
 _INSTALL_HINT = "install torch_npu matching your torch version on an Ascend machine with CANN"
-
-
-def _torch_npu_installed() -> bool:
-    """Whether ``import torch_npu`` could be attempted, without importing it (it is heavy and may fail)."""
-    try:
-        return importlib.util.find_spec("torch_npu") is not None
-    except (ImportError, ValueError):  # ValueError: a module in sys.modules with no __spec__
-        return False
 
 
 def _npu_module() -> Optional[ModuleType]:
@@ -53,7 +46,7 @@ def _npu_module() -> Optional[ModuleType]:
     torch_npu creates ``torch.npu`` and renames torch's privateuse1 device to ``"npu"`` on import, so
     everything that builds ``torch.device("npu", i)`` goes through here first.
     """
-    if not _torch_npu_installed():
+    if not torch_npu_installed():
         return None
     try:
         importlib.import_module("torch_npu")
@@ -263,7 +256,7 @@ def register_npu() -> bool:
     Returns False and changes nothing when torch_npu is not installed. Safe to call any number of times.
     It does not import torch_npu; that happens when Lightning first asks whether the NPU is available.
     """
-    if not _torch_npu_installed():
+    if not torch_npu_installed():
         return False
     from lightning.pytorch.accelerators import AcceleratorRegistry
     from lightning.pytorch.strategies import StrategyRegistry

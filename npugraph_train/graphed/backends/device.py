@@ -116,6 +116,14 @@ class CUDABackend(_DeviceModuleBackend):
         return _NativeGraphContext(self, ctx, native_graph)
 
 
+def torch_npu_installed() -> bool:
+    """Whether ``import torch_npu`` could be attempted, without importing it (it is heavy and may fail)."""
+    try:
+        return importlib.util.find_spec("torch_npu") is not None
+    except (ImportError, ValueError):  # ValueError: a module in sys.modules with no __spec__
+        return False
+
+
 class NPUBackend(_DeviceModuleBackend):
     name = "npu"
     device_type = "npu"
@@ -124,7 +132,7 @@ class NPUBackend(_DeviceModuleBackend):
 
     @classmethod
     def probe(cls) -> Optional[str]:
-        if importlib.util.find_spec("torch_npu") is None:
+        if not torch_npu_installed():
             return "torch_npu is not installed (pip install 'npugraph-train[npu]' on an Ascend machine with CANN)"
         try:
             torch_npu = importlib.import_module("torch_npu")
