@@ -39,6 +39,7 @@ from ..config import NPUGraphConfig, unknown_settings_error
 from ..graphed import get_backend
 from ..optim import make_capturable, plain_scheduler_state
 from .report import NOT_CAPTURED, format_report
+from .step_setup import check_trainer
 from .submodules import SubmoduleGrapher
 from .whole_step import UPDATE_HOOK, WholeStepGrapher
 
@@ -102,7 +103,7 @@ class NPUGraphCallback(Callback):
                                "whole-step mode captures one batch shape, and batches of other shapes run as eager "
                                "steps; max_signatures applies to mode='submodules'")
             self._whole = WholeStepGrapher(self.config, backend)
-            self._whole.check_trainer(trainer, pl_module)
+            check_trainer(trainer, pl_module)
         else:
             self._grapher = SubmoduleGrapher(self.config, backend)
 

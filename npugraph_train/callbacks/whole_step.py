@@ -10,8 +10,10 @@ on the replay path is: one ``tree_flatten`` of the batch and a comparison of its
 (10-15 µs on the benchmark models), the copies, ``replay()``, five counter increments, the recorded
 ``log`` calls and a clone of the step's outputs.
 
-What the graph bakes in is checked before each replay, and what the step must not do is checked at
-capture (:mod:`.step_checks`); a changed setup captures the step again.
+What a captured step cannot honour is refused when the fit starts (:mod:`.step_setup`), what the graph bakes
+in is checked before each replay and what the step must not do at capture (:mod:`.step_checks`); a changed
+setup captures the step again. ``self.log`` calls are recorded at capture and logged again after each
+replay (:mod:`.step_logs`).
 """
 from __future__ import annotations
 
@@ -19,17 +21,13 @@ import copy
 import dataclasses
 import time
 from collections import Counter, OrderedDict
-from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import lightning.pytorch as pl
 import torch
-from lightning.pytorch.callbacks import BaseFinetuning, GradientAccumulationScheduler, StochasticWeightAveraging
 from lightning.pytorch.loops.optimization.automatic import _AutomaticOptimization
 from lightning.pytorch.utilities import rank_zero_warn
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
-from lightning.pytorch.utilities.model_helpers import is_overridden
-from lightning.pytorch.utilities.signature_utils import is_param_in_hook_signature
-from torch.optim.lr_scheduler import CyclicLR, OneCycleLR
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from ..config import NPUGraphConfig
@@ -41,88 +39,16 @@ from ..optim import check_capture_safe, clip_grad_norm_, make_capturable, unwrap
 from .batch import (MAX_CAPTURE_DELAY, VALUES_DIFFER, BatchKey, batch_key, describe, ready_to_capture,
                     values_differ)
 from .report import ENDED_BEFORE_CAPTURE, NOT_CAPTURED
-from .step_checks import (BakedSetup, WatchedIndex, is_metric, python_outputs, python_type, rebinding_error,
+from .step_checks import (BakedSetup, WatchedIndex, is_metric, python_outputs, rebinding_error,
                           watch_host_counters)
+from .step_logs import StepLogRecorder
+from .step_setup import check_schedulers
 
 # The LightningModule method that maps a batch to the cpu_update_input of its graphs (auto_dispatch_capture).
 UPDATE_HOOK = "npugraph_update_input"
 
-# Hooks that run inside the captured region: once at capture, never again in Python.
-_CLOSURE_HOOKS = ("on_before_backward", "on_after_backward", "on_before_optimizer_step", "on_before_zero_grad",
-                  "optimizer_zero_grad", "backward", "configure_gradient_clipping")
-
-
 def _clone(value: Any) -> Any:
     return value.clone() if isinstance(value, torch.Tensor) else value
-
-
-def _with_nested(scheduler: Any) -> Iterator[Any]:
-    """The scheduler and those it chains (SequentialLR, ChainedScheduler: ``_schedulers``), depth first."""
-    yield scheduler
-    for inner in getattr(scheduler, "_schedulers", None) or ():
-        yield from _with_nested(inner)
-
-
-class _LogRecorder:
-    """Stands in for ``LightningModule.log`` during capture; the calls are replayed after every replay."""
-
-    def __init__(self, module: "pl.LightningModule") -> None:
-        self.module = module
-        # (hook name, metric name, result-collection key, static value, args, kwargs)
-        self.calls: List[Tuple[Optional[str], str, str, Any, tuple, dict]] = []
-
-    def __call__(self, name: str, value: Any, *args: Any, **kwargs: Any) -> None:
-        fx = self.module._current_fx_name
-        value = self._live_lr(value)
-        if not isinstance(value, torch.Tensor) and is_metric(value):
-            # Updating a metric inside the step would rebind its states (refused at capture): point past that.
-            raise MisconfigurationException(
-                f"whole_step: {fx} logs {name!r} as a {type(value).__name__} metric object, whose update and "
-                "compute a captured step would run once, at capture. Update and log metric objects outside the "
-                "captured step: in on_train_batch_end(outputs, batch, batch_idx) call metric.update(...) and "
-                "self.log(name, metric) (or log metric.compute() there), with what training_step returns")
-        if not isinstance(value, torch.Tensor):
-            raise MisconfigurationException(
-                f"whole_step: {fx} logs {name!r} as a Python {python_type(value)}; a captured step would log the "
-                "capture step's value forever. Log a tensor (e.g. self.log(name, loss.detach())), or log "
-                "outside the training step (on_train_batch_end)")
-        self.calls.append((fx, name, f"{fx}.{name}", value, args, kwargs))
-
-    def _live_lr(self, value: Any) -> Any:
-        """For an entry of a scheduler's ``get_last_lr()`` (a tensor copy, or a float from before the
-        optimizer's conversion), the param group's lr tensor, which schedulers fill in place."""
-        for config in self.module.trainer.lr_scheduler_configs:
-            for scheduler in _with_nested(config.scheduler):
-                for i, last in enumerate(getattr(scheduler, "_last_lr", None) or ()):
-                    groups = getattr(getattr(scheduler, "optimizer", None), "param_groups", ())
-                    if last is value and i < len(groups) and isinstance(groups[i]["lr"], torch.Tensor):
-                        return groups[i]["lr"]
-        return value
-
-    def emit(self) -> None:
-        """Log the static tensors' values of this step, as the captured calls did at capture."""
-        module = self.module
-        trainer = module.trainer
-        results, connector = trainer._results, trainer._logger_connector
-        previous = module._current_fx_name
-        try:
-            for fx, name, key, value, args, kwargs in self.calls:
-                if args or results.dataloader_idx is not None or key not in results:
-                    module._current_fx_name = fx
-                    module.log(name, value, *args, **kwargs)
-                    continue
-                # The metric exists (validated and placed on the device by a full log call): do only what
-                # LightningModule.log does per value (lightning 2.6), skipping its per-call checks and device
-                # moves, about 0.3 ms per call on the replay path.
-                if connector.should_reset_tensors(fx):
-                    results.reset(metrics=False, fx=fx)
-                metric = results[key]
-                batch_size = results._extract_batch_size(metric, kwargs.get("batch_size"), metric.meta)
-                # As LightningModule.__to_tensor: a one-element value of any shape is logged as a scalar.
-                results.update_metrics(key, value.clone().detach().squeeze(), batch_size)
-                connector._current_fx = fx
-        finally:
-            module._current_fx_name = previous
 
 
 class WholeStepGrapher:
@@ -140,7 +66,7 @@ class WholeStepGrapher:
         self.capture_delay = 0
         self.static_result: Dict[str, Any] = {}
         self.static_grads: List[Tuple[torch.Tensor, torch.Tensor]] = []
-        self.logs: Optional[_LogRecorder] = None
+        self.logs: Optional[StepLogRecorder] = None
         self.replays = 0
         self.capture_seconds = 0.0
         self.pool_bytes: Optional[int] = None
@@ -157,52 +83,10 @@ class WholeStepGrapher:
         self._original_loop: Optional[_AutomaticOptimization] = None
         self._original_clip: Optional[Callable] = None
 
-    # fit start: refusals and conversion ----------------------------------------------------------
-    def check_trainer(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
-        def refuse(what: str, fix: str) -> None:
-            raise MisconfigurationException(f"NPUGraphCallback(mode='whole_step') cannot capture {what}; {fix}")
-
-        if not pl_module.automatic_optimization:
-            refuse("manual optimization (your training_step calls optimizer.step())",
-                   "use mode='submodules', or capture inside training_step with npugraph_train.graphed.graph")
-        if trainer.accumulate_grad_batches != 1 or any(
-                isinstance(c, GradientAccumulationScheduler) for c in trainer.callbacks):
-            refuse("gradient accumulation (non-stepping micro-batches run a different step)",
-                   "set accumulate_grad_batches=1 (a larger batch), or use mode='submodules'")
-        if trainer.world_size > 1 or trainer.num_devices > 1:
-            refuse(f"training on {max(trainer.world_size, trainer.num_devices)} devices (collectives in the graph)",
-                   "train on one device, or use mode='submodules', which works under DDP")
-        if getattr(trainer.precision_plugin, "scaler", None) is not None:
-            refuse(f"precision={trainer.precision!r} with a GradScaler, which reads found-inf on the host",
-                   "use precision='bf16-mixed' or '32-true'")
-        if is_overridden("optimizer_step", pl_module):
-            refuse(f"{type(pl_module).__name__}.optimizer_step, which is overridden (its Python would run once)",
-                   "remove the override (schedulers and clipping have hooks of their own), or use mode='submodules'")
-        if is_param_in_hook_signature(pl_module.training_step, "dataloader_iter", explicit=True):
-            refuse("a training_step that takes dataloader_iter (the batch is not an argument)",
-                   "take `batch` in training_step")
-        for cb in trainer.callbacks:
-            if isinstance(cb, (BaseFinetuning, StochasticWeightAveraging)):
-                refuse(f"with {type(cb).__name__}, which changes the trained parameters or optimizer during fit",
-                       "remove it, or use mode='submodules'")
-        overridden = [h for h in _CLOSURE_HOOKS if is_overridden(h, pl_module)]
-        overridden += [f"{type(cb).__name__}.{h}" for cb in trainer.callbacks for h in _CLOSURE_HOOKS[:4]
-                       if is_overridden(h, cb, pl.Callback)]
-        if overridden:
-            rank_zero_warn(f"NPUGraphCallback(mode='whole_step'): {', '.join(overridden)} run inside the captured "
-                           "step: their device work replays every step, their Python runs once at capture. Keep "
-                           "them free of host reads (.item(), printing tensors) and per-step Python state")
-
+    # fit start: conversion -------------------------------------------------------------------------
     def prepare_optimizers(self, trainer: "pl.Trainer") -> None:
-        # Lightning itself allows only one optimizer under automatic optimization.
-        for config in trainer.lr_scheduler_configs:
-            for scheduler in _with_nested(config.scheduler):  # also inside SequentialLR, ChainedScheduler
-                if isinstance(scheduler, (OneCycleLR, CyclicLR)) and getattr(scheduler, "cycle_momentum", False):
-                    where = "" if scheduler is config.scheduler else f" (in {type(config.scheduler).__name__})"
-                    raise MisconfigurationException(
-                        f"{type(scheduler).__name__}(cycle_momentum=True){where} replaces momentum/betas, which a "
-                        "captured step freezes; pass cycle_momentum=False")
-        optimizer = trainer.optimizers[0]
+        check_schedulers(trainer)
+        optimizer = trainer.optimizers[0]  # Lightning allows only one under automatic optimization
         if self.config.convert_optimizers:
             make_capturable(optimizer)
         else:
@@ -249,7 +133,7 @@ class WholeStepGrapher:
         if "batch_idx" in static_kwargs:
             static_kwargs["batch_idx"] = WatchedIndex(static_kwargs["batch_idx"], self._warn_host_read)
         optimizer.zero_grad(set_to_none=True)  # backward allocates the gradients inside the graph
-        self.logs = _LogRecorder(module)
+        self.logs = StepLogRecorder(module)
         module.log = self.logs
         self.graph = Graph(self.backend)
         progress = copy.deepcopy(loop.optim_progress.state_dict())

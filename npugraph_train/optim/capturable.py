@@ -147,6 +147,13 @@ CapturableOptimizer.step.hooked = True  # type: ignore[attr-defined]
 _classes: Dict[Type[Optimizer], Type[Optimizer]] = {}
 
 
+def chained_schedulers(scheduler: Any) -> Iterator[Any]:
+    """The scheduler and those it chains (SequentialLR, ChainedScheduler: ``_schedulers``), depth first."""
+    yield scheduler
+    for inner in getattr(scheduler, "_schedulers", None) or ():
+        yield from chained_schedulers(inner)
+
+
 def _plain_settings(group: Dict[str, Any]) -> Dict[str, Any]:
     """What make_capturable changes in a param group, as it was."""
     return {"float_lr": not isinstance(group["lr"], torch.Tensor), "capturable": group.get("capturable"),
