@@ -1,3 +1,5 @@
+import dataclasses
+import inspect
 import warnings
 
 import pytest
@@ -245,6 +247,14 @@ class TestConfig:
         with pytest.raises(Exception, match="unknown settings 'mdoe' \\(did you mean 'mode'\\?\\); valid settings: "
                                             "mode, warmup_steps"):
             instantiate(node)
+
+    def test_signature_takes_every_setting_with_the_configs_default(self):
+        # LightningCLI and Hydra read the callback's signature; the config is what the callback uses.
+        params = inspect.signature(NPUGraphCallback).parameters
+        for f in dataclasses.fields(NPUGraphConfig):
+            assert f.name in params, f"NPUGraphCallback does not take {f.name}"
+            default = params[f.name].default
+            assert getattr(NPUGraphCallback(**{f.name: default}).config, f.name) == getattr(NPUGraphConfig(), f.name)
 
     def test_from_config_dataclass_dict_and_dictconfig(self):
         structured = OmegaConf.structured(NPUGraphConfig(modules=["blocks.*"], max_signatures=2))

@@ -47,15 +47,20 @@ from .whole_step import UPDATE_HOOK, WholeStepGrapher
 class NPUGraphCallback(Callback):
     """Capture training as graphs after ``warmup_steps``; arguments are those of :class:`NPUGraphConfig`."""
 
-    def __init__(self, mode: str = "submodules", warmup_steps: int = 3, modules: Optional[List[str]] = None,
-                 modules_only: bool = False, num_warmup_iters: int = 3, backend: str = "auto",
-                 on_failure: str = "raise", max_signatures: int = 1, capture_error_mode: str = "thread_local",
-                 auto_dispatch_capture: bool = False, convert_optimizers: bool = True,
-                 log_report: bool = True, **unknown: Any) -> None:
+    # The defaults are read from the config, so that they are written once; the explicit signature is kept for
+    # Hydra, LightningCLI and editors, which read it.
+    def __init__(self, mode: str = NPUGraphConfig.mode, warmup_steps: int = NPUGraphConfig.warmup_steps,
+                 modules: Optional[List[str]] = None, modules_only: bool = NPUGraphConfig.modules_only,
+                 num_warmup_iters: int = NPUGraphConfig.num_warmup_iters, backend: str = NPUGraphConfig.backend,
+                 on_failure: str = NPUGraphConfig.on_failure, max_signatures: int = NPUGraphConfig.max_signatures,
+                 capture_error_mode: str = NPUGraphConfig.capture_error_mode,
+                 auto_dispatch_capture: bool = NPUGraphConfig.auto_dispatch_capture,
+                 convert_optimizers: bool = NPUGraphConfig.convert_optimizers,
+                 log_report: bool = NPUGraphConfig.log_report, **unknown: Any) -> None:
         if unknown:  # e.g. a typo in a Hydra `_target_: npugraph_train.NPUGraphCallback` node
             raise unknown_settings_error("NPUGraphCallback", unknown)
         self.config = NPUGraphConfig(
-            mode=mode, warmup_steps=warmup_steps, modules=[] if modules is None else modules,
+            mode=mode, warmup_steps=warmup_steps, modules=modules,
             modules_only=modules_only, num_warmup_iters=num_warmup_iters, backend=backend, on_failure=on_failure,
             max_signatures=max_signatures, capture_error_mode=capture_error_mode,
             auto_dispatch_capture=auto_dispatch_capture, convert_optimizers=convert_optimizers,
