@@ -47,7 +47,7 @@ from torch.utils.hooks import RemovableHandle
 from .backends import Backend, get_backend
 from .captured import CapturedSignature, SignatureStats, batch_ids, capture_signatures
 from .errors import GraphCaptureError, GraphStateError
-from .signatures import (describe_signature, difference_hint, flatten_call, is_constant, serves, signature,
+from .signatures import (Signature, describe_signature, difference_hint, flatten_call, is_constant, serves, signature,
                          static_copies, within)
 from .state_attributes import SCALAR_TYPES, recomputed_by_hooks
 from .user_code import warn_at_user_code
@@ -151,9 +151,9 @@ class GraphedCallable:
         self._hook_handles_seen = -1  # RemovableHandle.next_id at the last scan that found no hook
         self.param_flags = self.current_param_flags()
         self.training = func.training if self.is_module else None
-        self.signatures: Dict[tuple, CapturedSignature] = {}
-        self._failed: Dict[tuple, str] = {}  # signatures whose capture failed, with the reason
-        self.stats: Dict[tuple, SignatureStats] = {}
+        self.signatures: Dict[Signature, CapturedSignature] = {}
+        self._failed: Dict[Signature, str] = {}  # signatures whose capture failed, with the reason
+        self.stats: Dict[Signature, SignatureStats] = {}
         self.eager_calls: Counter = Counter()
         self._released = False
         self._warned: set = set()  # kinds of eager reasons and recaptures warned about
@@ -267,7 +267,7 @@ class GraphedCallable:
         self._hook_handles_seen = handles
         return ""
 
-    def _why_not_capture(self, key: tuple, flat: List[Any]) -> Optional[Tuple[str, str]]:
+    def _why_not_capture(self, key: Signature, flat: List[Any]) -> Optional[Tuple[str, str]]:
         """(kind, reason) when a call of a new signature runs eager instead of capturing, else None."""
         if key in self._failed:  # one failed capture of a signature is enough: its calls run eager
             return "capture failed", self._failed[key]
@@ -320,7 +320,7 @@ class GraphedCallable:
             self._warned.add(kind)
             warn_at_user_code(message)
 
-    def _capture_new(self, key: tuple, flat: List[torch.Tensor], spec: Any) -> CapturedSignature:
+    def _capture_new(self, key: Signature, flat: List[torch.Tensor], spec: Any) -> CapturedSignature:
         # Later signatures share a pool of their own: captured after the first batch, they could reuse
         # memory that other callables' pending backwards still need.
         if self.cache_pool is None:

@@ -17,7 +17,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from .errors import GraphCaptureError, GraphStateError
 from .graphs import Graph, graph
-from .signatures import describe_signature, unique_tensors
+from .signatures import Signature, describe_signature, unique_tensors
 from .state_attributes import StateAttributes, StorageReads, carried_state_message, tensors_in
 
 if TYPE_CHECKING:
@@ -313,7 +313,7 @@ class _NoBackward(torch.autograd.Function):
             "value (e.g. logging it with .detach()) works")
 
 
-def capture_signatures(sigs: Sequence[CapturedSignature], key_of: Dict[int, tuple]) -> None:
+def capture_signatures(sigs: Sequence[CapturedSignature], key_of: Dict[int, Signature]) -> None:
     """Warm up, then capture forwards in order and backwards in reverse order (torch's pool order).
 
     RNG state, module buffers and tensor attributes are restored after warmup, so warmup leaves no trace.
