@@ -1,6 +1,7 @@
 import os
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -167,6 +168,61 @@ def test_in_place_view_changes_after_an_op_do_not_change_its_replay():
     g.replay()
     assert z.shape == (3,) and torch.equal(z, torch.full((3,), 2.0)) and y.shape == (3, 2)
     assert torch.equal(w, torch.ones(4, 6))
+
+def _replayed(fn):
+    """fn's value after a capture and a replay, and fn's value eager."""
+    g = ng.Graph()
+    with ng.graph(g):
+        out = fn()
+    g.replay()
+    return out, fn()
+
+
+def test_ops_whose_output_shape_a_device_knows_are_captured():
+    x, idx, labels, reps = torch.randn(6, 5), torch.tensor([0, 3, 3, 1]), torch.tensor([4, 0, 2, 1]), torch.tensor([1, 2])
+    for fn in (lambda: x[idx], lambda: x[torch.arange(4), labels],
+               lambda: x[:2].repeat_interleave(reps, dim=0, output_size=3)):
+        out, eager = _replayed(fn)
+        assert torch.equal(out, eager)
+    with pytest.raises(GraphCaptureError, match="repeat_interleave.*output shape that depends on tensor data"):
+        _replayed(lambda: x[:2].repeat_interleave(reps, dim=0))
+
+
+def test_masked_put_of_several_values_is_refused_one_value_is_masked_fill():
+    x, mask = torch.zeros(4, 5), torch.tensor([True, False, True, False])
+    for put in (lambda: x.__setitem__(mask, torch.arange(5.0)), lambda: x.index_put_((mask,), torch.ones(1),
+                                                                                      accumulate=True)):
+        with pytest.raises(GraphCaptureError, match=r"boolean mask turns the mask into indices.*torch.where"):
+            _replayed(put)
+    _replayed(lambda: x.__setitem__(mask, 2.0))
+    assert torch.equal(x[:, 0], torch.tensor([2.0, 0.0, 2.0, 0.0]))
+
+
+def test_empty_outputs_and_out_tensors_that_grow():
+    a, empty, b = torch.ones(3), torch.empty(0), torch.full((2,), 5.0)
+    out, eager = _replayed(lambda: torch._foreach_mul([a, empty, b], 2.0))
+    assert all(map(torch.equal, out, eager))
+    grown, small = torch.empty(0), torch.empty(2)
+    g = ng.Graph()
+    with ng.graph(g), warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch deprecates growing a non-empty out tensor
+        torch.matmul(torch.ones(2, 3), torch.ones(3, 4), out=grown)
+        torch.matmul(torch.ones(2, 3), torch.ones(3, 4), out=small)
+    assert grown.isnan().all(), "resized by capture: unset until a replay, as new pool memory"
+    g.replay()
+    assert torch.equal(grown, torch.full((2, 4), 3.0)) and torch.equal(small, grown)
+
+
+def test_graph_captured_under_inference_mode_replays_outside_it():
+    layer, x = nn.Linear(3, 2), torch.ones(3)
+    g = ng.Graph()
+    with torch.inference_mode(), ng.graph(g):
+        out = layer(x)
+    x.fill_(2.0)
+    g.replay()
+    with torch.no_grad():
+        assert torch.equal(out, layer(x))
+
 
 def test_backward_inside_capture_is_recorded():
     w = torch.ones(3, requires_grad=True)

@@ -14,7 +14,8 @@ What it models, as a device graph behaves:
 - Capture runs no kernels on a device. The emulator has to run the ops to learn their outputs, so at
   ``capture_end`` it undoes what capture did: tensors that existed before the capture get their
   contents back (an optimizer step captured without a replay updates nothing), floating-point tensors
-  created by the capture are filled with NaN (reading an output before the first replay shows up),
+  created by the capture (and ``out=`` tensors it resized) are filled with NaN (reading an output before
+  the first replay shows up),
   and torch's CPU RNG state is restored (capture draws no random numbers).
 - Random ops draw new numbers on every replay, from torch's CPU generator. Reading or setting that
   generator's state during capture (``torch.get_rng_state``, ``set_rng_state``, ``fork_rng``,
@@ -22,8 +23,9 @@ What it models, as a device graph behaves:
   ``GraphCaptureError``, as CUDA's "Cannot call CUDAGeneratorImpl::current_seed during CUDA graph
   capture" does.
 - Ops that make the host wait for device data (``.item()``, ``.tolist()``, ``.numpy()``, ``.cpu()``,
-  ``bool(t)``, printing a tensor, ``nonzero``, ``torch.equal``, ops with data-dependent output shapes,
-  ``synchronize()``) raise ``GraphCaptureError``
+  ``bool(t)``, printing a tensor, ``nonzero``, ``torch.equal``, ops with data-dependent output shapes
+  (``x[mask]``; integer indices and ``repeat_interleave(..., output_size=n)`` are captured), putting several
+  values through a mask (``x[mask] = values``), ``synchronize()``) raise ``GraphCaptureError``
   naming the op and the user's source line. So does ``torch.tensor(...)``/``as_tensor`` of host data
   with at least one dimension, which on a device is a host-to-device copy that breaks capture (0-dim
   values pass: kernels take such scalars from the host at capture time).
@@ -48,6 +50,7 @@ import itertools
 import threading
 import warnings
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any, Callable, ContextManager, Dict, Iterator, List, Optional, Tuple
 
 import torch
@@ -186,8 +189,11 @@ class _Recorder(TorchDispatchMode):
                                  f"or a Python `if`/`while` on a tensor; op {func})")
         if func in _HOST_SYNC_OPS or torch.Tag.data_dependent_output in func.tags:
             raise _capture_error(f"op {func} reads tensor data on the host")
-        if torch.Tag.dynamic_output_shape in func.tags:
+        if torch.Tag.dynamic_output_shape in func.tags and not _shape_given(func, args, kwargs):
             raise _capture_error(f"op {func} has an output shape that depends on tensor data")
+        if func in _INDEX_PUT_OPS and _mask_needs_indices(args, kwargs):
+            raise _capture_error(f"op {func} with a boolean mask turns the mask into indices (nonzero) on the "
+                                 "host; use torch.where(mask, values, x), or masked_fill_ for one value")
         # 0-dim values are scalars that kernels take from the host at capture, as on a device.
         if func in _HOST_DATA_OPS and args[0].dim() > 0:
             raise _capture_error(f"op {func} (torch.tensor/as_tensor) copies host data to the device")
@@ -208,8 +214,50 @@ class _Recorder(TorchDispatchMode):
         return self.graph._record_updatable(func, args, kwargs, handler)
 
 
+def _is_mask(index: Any) -> bool:
+    return isinstance(index, torch.Tensor) and index.dtype in (torch.bool, torch.uint8)
+
+
+def _shape_given(func: Any, args: tuple, kwargs: dict) -> bool:
+    # ATen tags these data-dependent in shape for some arguments only; a device captures the others.
+    if func is torch.ops.aten.index.Tensor:  # integer indices: the output is shaped like them
+        return not any(map(_is_mask, args[1]))
+    if func is torch.ops.aten.repeat_interleave.Tensor:
+        return kwargs.get("output_size") is not None
+    return False
+
+
+_INDEX_PUT_OPS = {torch.ops.aten.index_put_.default, torch.ops.aten.index_put.default,
+                  torch.ops.aten._index_put_impl_.default}
+
+
+def _mask_needs_indices(args: tuple, kwargs: dict) -> bool:
+    # x[mask] = v: ATen turns a mask into indices with nonzero(), a host sync on a device, except for one
+    # value put without accumulating, which it hands to masked_fill_.
+    indices, values = args[1], args[2]
+    accumulate = args[3] if len(args) > 3 else kwargs.get("accumulate", False)
+    return any(map(_is_mask, indices)) and (values.numel() != 1 or accumulate)
+
+
 def _returns(schema: Any, out: Any) -> tuple:
     return tuple(out) if len(schema.returns) > 1 else (out,)
+
+
+@dataclass
+class _RecordedOp:
+    func: Any
+    call: Callable[[], Any]  # re-runs the op on the captured tensors
+    fresh: List[int]  # indices of the op's fresh (not aliasing) returns
+    outs: List[Tuple[int, torch.Tensor]]  # (position among the tensors of those returns, tensor captured there)
+    grad: bool  # grad mode at capture: kernels such as mkldnn's RNN choose their algorithm by it
+    inference: bool
+
+    def run(self) -> None:
+        result = self.call()
+        if self.outs:
+            returned = [t for i in self.fresh for t in _tensors(_returns(self.func._schema, result)[i])]
+            for n, dst in self.outs:
+                dst.copy_(returned[n])
 
 
 class EmulatedGraph:
@@ -220,9 +268,7 @@ class EmulatedGraph:
     """
 
     def __init__(self) -> None:
-        # (op, the call that re-runs it, indices of fresh returns, the tensors captured as those returns,
-        # whether grad mode was on: kernels such as mkldnn's RNN choose their algorithm by it)
-        self._ops: List[Tuple[Any, Callable[[], Any], List[int], List[torch.Tensor], bool]] = []
+        self._ops: List[_RecordedOp] = []
         self.update_records: List[DispatchRecord] = []
         self._pool: Optional[Tuple[int, int]] = None
         self.captured_bytes = 0
@@ -253,11 +299,15 @@ class EmulatedGraph:
         _local.capture_stream = None
         with torch.no_grad(), _disable_current_modes():
             for storage, saved in self._saved.values():
-                storage.copy_(saved)
+                if storage.nbytes() == saved.nbytes():
+                    storage.copy_(saved)
+                else:  # resized by an out= op: new memory from the pool on a device, unset until a replay
+                    storage.fill_(0xFF)
+                    self.captured_bytes += storage.nbytes()
             # Storage-level writes: autograd's version counters must not see them (a backward
             # captured next may still check the saved activations).
-            for _, _, _, outs, _ in self._ops:
-                for t in outs:
+            for op in self._ops:
+                for _, t in op.outs:
                     if t.is_floating_point() or t.is_complex():
                         t.untyped_storage().fill_(0xFF)  # all-ones bytes are NaN in every float format
         torch.set_rng_state(self._rng_state)
@@ -307,20 +357,23 @@ class EmulatedGraph:
         # saying so in its schema (e.g. _unsafe_view): those share an input's storage.
         inputs = {_storage_key(t) for t in _tensors((args, kwargs))}
         fresh = [i for i, r in enumerate(schema.returns) if r.alias_info is None]
-        fresh_outs = [t for i in fresh for t in _tensors(_returns(schema, out)[i])
-                      if _storage_key(t) not in inputs]
-        if not writes and not fresh_outs:
+        returned = [t for i in fresh for t in _tensors(_returns(schema, out)[i])]
+        # Positions among the fresh returns, as replay finds them again (an empty tensor's data_ptr is 0,
+        # so an empty output matches an empty input and is left out, while the outputs after it are not).
+        kept = [n for n, t in enumerate(returned) if _storage_key(t) not in inputs]
+        if not writes and not kept:
             return  # a view: it aliases captured memory already
-        for t in fresh_outs:
-            key = _storage_key(t)
+        for n in kept:
+            key = _storage_key(returned[n])
             if key not in self._born:
                 self._born.add(key)
-                self.captured_bytes += t.untyped_storage().nbytes()
+                self.captured_bytes += returned[n].untyped_storage().nbytes()
         # Aliases with the outputs' shapes as produced: code may change a tensor's view in place afterwards
         # (GRU's batch_first output.transpose_), which a replayed op's result must not follow.
         with _disable_current_modes():
-            fresh_outs = [t.detach() for t in fresh_outs]
-        self._ops.append((func, call, fresh, fresh_outs, torch.is_grad_enabled()))
+            outs = [(n, returned[n].detach()) for n in kept]
+        self._ops.append(_RecordedOp(func, call, fresh, outs, torch.is_grad_enabled(),
+                                     torch.is_inference_mode_enabled()))
 
     # use -----------------------------------------------------------------------------------------
     def replay(self) -> None:
@@ -328,13 +381,13 @@ class EmulatedGraph:
         # writes to leaves allowed) under the grad mode each was captured with.
         with torch.enable_grad(), torch._C._AutoDispatchBelowAutograd(), torch.autocast("cpu", enabled=False), \
                 _disable_current_modes():
-            for func, call, fresh, outs, grad in self._ops:
-                torch._C._set_grad_enabled(grad)
-                result = call()
-                if outs:
-                    returns = _returns(func._schema, result)
-                    for dst, src in zip(outs, (t for i in fresh for t in _tensors(returns[i]))):
-                        dst.copy_(src)
+            for op in self._ops:
+                torch._C._set_grad_enabled(op.grad)
+                if op.inference:  # its outputs are inference tensors, which only inference mode may write
+                    with torch.inference_mode():
+                        op.run()
+                else:
+                    op.run()
 
     def reset(self) -> None:
         self._ops = []
