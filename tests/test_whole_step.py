@@ -671,6 +671,24 @@ class ChangesSetup(Scheduled):
             opt.add_param_group({"params": list(self.embed.parameters()), "lr": 0.002})
         elif self.change == "eval":
             self.blocks[0].drop.eval()
+        elif self.change == "step_hook":  # an EMA-like decay after every step
+            opt.register_step_post_hook(self._decay)
+        elif self.change == "load_state_dict":  # roll the optimizer back
+            opt.load_state_dict(self.saved)
+        elif self.change == "new_optimizer":  # reset the moments
+            self.trainer.optimizers = [make_capturable(torch.optim.AdamW(self.parameters(), lr=0.004))]
+
+    def on_train_batch_start(self, batch, batch_idx):
+        if self.change == "load_state_dict" and self.global_step == 5:
+            self.saved = copy.deepcopy(self.trainer.optimizers[0].state_dict())
+        if self.change == "grad_hook" and self.global_step == 11:  # mid-epoch
+            self.head.weight.register_hook(lambda grad: grad * 0.5)
+
+    @staticmethod
+    @torch.no_grad()
+    def _decay(opt, args, kwargs):
+        for group in opt.param_groups:
+            torch._foreach_mul_(group["params"], 0.999)
 
 
 @pytest.mark.parametrize("change,reason", [
@@ -678,6 +696,10 @@ class ChangesSetup(Scheduled):
     ("unfreeze", "requires_grad of parameters changed"),
     ("add_param_group", "param groups were added or removed"),
     ("eval", "switched between train() and eval()"),
+    ("step_hook", "the optimizer's step hooks were added or removed"),
+    ("grad_hook", "gradient hooks of parameters were added or removed"),
+    ("load_state_dict", "the optimizer's state was replaced"),
+    ("new_optimizer", "the optimizer was replaced"),
 ])
 def test_setup_changes_after_capture_capture_again(change, reason):
     def run(callbacks):
@@ -697,7 +719,7 @@ def test_setup_changes_after_capture_capture_again(change, reason):
     assert reason in report["signatures"][1]["description"]
     # new trainable parameters first get their optimizer state from an eager step
     waits = sum(n for r, n in report["eager_calls"].items() if "optimizer state" in r)
-    assert waits == (1 if change in ("unfreeze", "add_param_group") else 0)
+    assert waits == (1 if change in ("unfreeze", "add_param_group", "new_optimizer") else 0)
 
 
 def test_model_pruning_between_epochs_captures_again():
@@ -915,3 +937,43 @@ def test_metric_modules_updated_outside_the_step_cost_no_recapture():
     callback = NPUGraphCallback(mode="whole_step")
     trainer([callback], max_steps=20).fit(Tracks(), *loaders())
     assert callback.report()[0]["captures"] == 1
+
+
+def test_learning_rate_monitor_keeps_each_steps_learning_rate(tmp_path):
+    from lightning.pytorch.callbacks import LearningRateMonitor
+    from lightning.pytorch.loggers import CSVLogger
+
+    def run(callbacks):
+        torch.manual_seed(0)
+        monitor = LearningRateMonitor(logging_interval="step")
+        trainer([monitor] + callbacks, max_steps=12, logger=CSVLogger(tmp_path), log_every_n_steps=1).fit(
+            Scheduled(convert=False), *loaders())
+        assert "_extract_lr" not in vars(monitor), "the monitor is left as it was after fit"
+        return monitor.lrs["lr-SGD"]
+
+    eager, graphed = run([]), run([NPUGraphCallback(mode="whole_step")])
+    # StepLR(4, 0.7); the converted optimizer's lr is float32, shown as its shortest decimal (0.035)
+    assert eager == pytest.approx([0.05] * 4 + [0.035] * 4 + [0.0245] * 4)
+    assert graphed == pytest.approx(eager) and all(type(lr) is float for lr in graphed)
+
+
+def test_a_plain_optimizer_swapped_in_mid_fit_is_made_capture_safe():
+    class SwapsOptimizer(Scheduled):
+        def on_train_epoch_start(self):
+            if self.current_epoch == 1:
+                self.trainer.optimizers = [torch.optim.SGD(self.parameters(), lr=0.02)]
+
+    def run(callbacks):
+        torch.manual_seed(0)
+        model = SwapsOptimizer(schedule=None)
+        trainer(callbacks, max_steps=18, val_check_interval=None, limit_val_batches=0).fit(model, loaders()[0])
+        return model
+
+    eager = run([])
+    callback = NPUGraphCallback(mode="whole_step")
+    with pytest.warns(UserWarning, match="the optimizer was replaced"):
+        graphed = run([callback])
+    assert callback.report()[0]["captures"] == 2
+    # the new SGD steps with the lr on the device (CapturableSGD): the same update but for the last bit
+    for a, b in zip(eager.parameters(), graphed.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)

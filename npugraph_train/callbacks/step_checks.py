@@ -4,9 +4,10 @@ A captured step replays its device work on the tensors it saw at capture, with t
 then. So at capture, tensor attributes in which the step carries state from step to step (``self.ema =
 0.9 * self.ema + ...``, torchmetrics states) are put back and refused (``graphed.state_attributes``), host
 reads of ``global_step``/``current_epoch`` and Python values in the step's outputs are warned about;
-before each replay, :class:`BakedSetup` finds what changed since capture (param-group
-settings, train/eval flags, ``requires_grad``, and at each epoch's first batch parameters, buffers and
-hooks), so that the step is captured again instead of replaying a stale setup.
+before each replay, :class:`BakedSetup` finds what changed since capture (the optimizer and its state,
+param-group settings, train/eval flags, ``requires_grad``, hooks of modules, parameters and the optimizer,
+and at each epoch's first batch parameters and buffers), so that the step is captured again instead of
+replaying a stale setup.
 """
 from __future__ import annotations
 
@@ -18,9 +19,11 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 import lightning.pytorch as pl
 import torch
 from torch.utils._pytree import tree_flatten
+from torch.optim import optimizer as torch_optimizer
+from torch.utils.hooks import RemovableHandle
 
 from ..graphed import GraphCaptureError
-from ..graphed.callables import MODULE_HOOK_KINDS
+from ..graphed.callables import GLOBAL_HOOK_KINDS, MODULE_HOOK_KINDS
 from ..graphed.state_attributes import carried_state_message
 from ..graphed.user_code import user_frame
 
@@ -121,11 +124,25 @@ def python_outputs(result: Dict[str, Any]) -> List[str]:
             if any(not isinstance(leaf, torch.Tensor) for leaf in tree_flatten(value)[0] if leaf is not None)]
 
 
-def _structure(root: torch.nn.Module) -> List[tuple]:
-    """Per module: its parameters and buffers (by identity) and how many hooks it has. Metric modules are left
-    out: a captured step cannot update them (refused at capture), and their reset() rebinds their buffers."""
-    return [(id(m), tuple(map(id, m._parameters.values())), tuple(map(id, m._buffers.values())))
-            + tuple(len(getattr(m, kind)) for kind in MODULE_HOOK_KINDS) for m in root.modules() if not is_metric(m)]
+def _structure(root: torch.nn.Module, optimizer: torch.optim.Optimizer) -> Dict[str, list]:
+    """What a replay runs no Python for, by part: per module its parameters and buffers (by identity) and
+    hooks, the parameters' gradient hooks, and the optimizer's step hooks (hooks by handle id). Metric modules
+    are left out: a captured step cannot update them (refused at capture), and their reset() rebinds their
+    buffers."""
+    modules = [(id(m), tuple(map(id, m._parameters.values())), tuple(map(id, m._buffers.values())))
+               + tuple(tuple(getattr(m, kind)) for kind in MODULE_HOOK_KINDS)
+               for m in root.modules() if not is_metric(m)]
+    modules.append(tuple(tuple(getattr(torch.nn.modules.module, kind, ())) for kind in GLOBAL_HOOK_KINDS))
+    return {
+        "the modules' parameters, buffers or hooks changed (e.g. pruning)": modules,
+        "gradient hooks of parameters were added or removed (Tensor.register_hook)": [
+            (tuple(p._backward_hooks or ()), tuple(getattr(p, "_post_accumulate_grad_hooks", None) or ()))
+            for p in root.parameters()],
+        "the optimizer's step hooks were added or removed (register_step_pre_hook/post_hook)": [
+            tuple(optimizer._optimizer_step_pre_hooks), tuple(optimizer._optimizer_step_post_hooks),
+            tuple(torch_optimizer._global_optimizer_pre_hooks),
+            tuple(torch_optimizer._global_optimizer_post_hooks)],
+    }
 
 
 def _changed_setting(before: List[Dict[str, Any]], sizes: List[int],
@@ -156,7 +173,10 @@ class BakedSetup:
         self._training: List[bool] = []
         self._params: List[torch.Tensor] = []
         self._requires_grad: List[bool] = []
-        self._structure: List[tuple] = []
+        self._optimizer: Optional[torch.optim.Optimizer] = None
+        self._state: Any = None
+        self._structure: Dict[str, list] = {}
+        self._handles = -1  # RemovableHandle.next_id when the structure was last found unchanged
 
     def track_lrs(self, groups: List[Dict[str, Any]]) -> None:
         """The lr tensors that eager steps and the coming capture read (after the optimizer's conversion)."""
@@ -174,8 +194,9 @@ class BakedSetup:
         if len(groups) != len(self._lrs):  # add_param_group: a setup change, found by change()
             self._lrs = [group["lr"] for group in groups]
 
-    def remember(self, module: "pl.LightningModule", groups: List[Dict[str, Any]]) -> None:
+    def remember(self, module: "pl.LightningModule", optimizer: torch.optim.Optimizer) -> None:
         """Note the setup as the graph just captured it."""
+        groups = optimizer.param_groups
         self._lrs = [group["lr"] for group in groups]
         self._settings = [{k: v for k, v in group.items() if k != "params"} for group in groups]
         self._sizes = [len(group["params"]) for group in groups]
@@ -183,13 +204,21 @@ class BakedSetup:
         self._training = [m.training for m in self._flagged_modules]
         self._params = list(module.parameters())
         self._requires_grad = [p.requires_grad for p in self._params]
-        self._structure = _structure(module)
+        self._optimizer, self._state = optimizer, optimizer.state
+        self._structure = _structure(module, optimizer)
+        self._handles = RemovableHandle.next_id
 
-    def change(self, module: "pl.LightningModule", groups: List[Dict[str, Any]],
+    def change(self, module: "pl.LightningModule", optimizer: torch.optim.Optimizer,
                batch_idx: int) -> Optional[Tuple[str, str]]:
-        """(kind, description) of what changed since capture that the graph baked in, or None. Param groups,
-        train/eval flags and requires_grad are checked every step (5-10 µs); parameters, buffers and hooks at
-        each epoch's first batch (where callbacks such as ModelPruning change them)."""
+        """(kind, description) of what changed since capture that the graph baked in, or None. The optimizer,
+        param groups, train/eval flags and requires_grad are checked every step (5-10 µs); hooks whenever one
+        was registered (each takes a handle id), and parameters, buffers and hooks at each epoch's first batch
+        (where callbacks such as ModelPruning change them)."""
+        if optimizer is not self._optimizer:
+            return "optimizer", "the optimizer was replaced (trainer.optimizers)"
+        if optimizer.state is not self._state:
+            return "optimizer state", "the optimizer's state was replaced (optimizer.load_state_dict)"
+        groups = optimizer.param_groups
         if len(groups) != len(self._settings):
             return "groups", "the optimizer's param groups were added or removed"
         changed = _changed_setting(self._settings, self._sizes, groups)
@@ -200,6 +229,11 @@ class BakedSetup:
             return "mode", "modules were switched between train() and eval()"
         if [p.requires_grad for p in self._params] != self._requires_grad:
             return "requires_grad", "requires_grad of parameters changed (frozen or unfrozen)"
-        if batch_idx == 0 and _structure(module) != self._structure:
-            return "structure", "the modules' parameters, buffers or hooks changed (e.g. pruning)"
+        handles = RemovableHandle.next_id
+        if batch_idx == 0 or handles != self._handles:
+            now = _structure(module, optimizer)
+            for part, before in self._structure.items():
+                if now[part] != before:
+                    return "structure", part
+            self._handles = handles
         return None

@@ -1,14 +1,15 @@
-"""``self.log`` in a captured training step: recorded at capture, logged again from the static tensors after
-every replay."""
+"""Logging in a whole-step fit: ``self.log`` in the captured step (recorded at capture, logged again from the
+static tensors after every replay), and learning rates that are device tensors where loggers expect floats."""
 from __future__ import annotations
 
-from typing import Any, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import lightning.pytorch as pl
 import torch
+from lightning.pytorch.callbacks import LearningRateMonitor
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
-from ..optim.capturable import chained_schedulers
+from ..optim.capturable import chained_schedulers, plain_lr
 from .step_checks import is_metric, python_type
 
 
@@ -72,3 +73,28 @@ class StepLogRecorder:
                 connector._current_fx = fx
         finally:
             module._current_fx_name = previous
+
+
+def monitor_plain_lrs(trainer: "pl.Trainer") -> Callable[[], None]:
+    """Make each LearningRateMonitor see learning rates as floats; returns the undo.
+
+    A converted optimizer's lr is a tensor that schedulers fill in place: the monitor would keep that one
+    tensor as every entry of its history (all showing the latest value) and log its float32 rounding.
+    """
+    monitors = [cb for cb in trainer.callbacks if isinstance(cb, LearningRateMonitor)
+                and "_extract_lr" not in cb.__dict__ and hasattr(cb, "_extract_lr")]
+    for monitor in monitors:
+        monitor._extract_lr = _with_plain_lr(monitor._extract_lr)
+
+    def undo() -> None:
+        for monitor in monitors:
+            monitor.__dict__.pop("_extract_lr", None)
+    return undo
+
+
+def _with_plain_lr(extract: Callable[[Dict[str, Any], str], Dict[str, Any]]) -> Callable:
+    def extract_lr(param_group: Dict[str, Any], name: str) -> Dict[str, Any]:
+        if isinstance(param_group.get("lr"), torch.Tensor):
+            param_group = {**param_group, "lr": plain_lr(param_group["lr"])}
+        return extract(param_group, name)
+    return extract_lr

@@ -41,7 +41,7 @@ from .batch import (MAX_CAPTURE_DELAY, VALUES_DIFFER, BatchKey, batch_key, descr
 from .report import ENDED_BEFORE_CAPTURE, NOT_CAPTURED
 from .step_checks import (BakedSetup, WatchedIndex, is_metric, python_outputs, rebinding_error,
                           watch_host_counters)
-from .step_logs import StepLogRecorder
+from .step_logs import StepLogRecorder, monitor_plain_lrs
 from .step_setup import check_schedulers
 
 # The LightningModule method that maps a batch to the cpu_update_input of its graphs (auto_dispatch_capture).
@@ -74,6 +74,7 @@ class WholeStepGrapher:
         self.captures: List[Dict[str, Any]] = []
         self.eager_steps: Counter = Counter()
         self.baked = BakedSetup()  # what the graph bakes in, checked before each replay
+        self.optimizer: Optional[torch.optim.Optimizer] = None
         self.recapture_reason: Optional[str] = None  # set while a changed setup waits to be captured again
         self.attributes: Optional[StateAttributes] = None
         self.status = NOT_CAPTURED
@@ -82,16 +83,22 @@ class WholeStepGrapher:
         self._loop: Optional[_WholeStepOptimization] = None
         self._original_loop: Optional[_AutomaticOptimization] = None
         self._original_clip: Optional[Callable] = None
+        self._undo_monitors: Callable[[], None] = lambda: None
 
     # fit start: conversion -------------------------------------------------------------------------
     def prepare_optimizers(self, trainer: "pl.Trainer") -> None:
         check_schedulers(trainer)
+        self.adopt_optimizer(trainer)
+
+    def adopt_optimizer(self, trainer: "pl.Trainer") -> None:
+        """Make the trainer's optimizer capture-safe (or check it is), at fit start and when it is replaced."""
         optimizer = trainer.optimizers[0]  # Lightning allows only one under automatic optimization
         if self.config.convert_optimizers:
             make_capturable(optimizer)
         else:
             check_capture_safe(optimizer, tensor_lr_needed=bool(trainer.lr_scheduler_configs))
-        self.baked.track_lrs(unwrap(optimizer).param_groups)
+        self.optimizer = unwrap(optimizer)
+        self.baked.track_lrs(self.optimizer.param_groups)
 
     # loop installation ---------------------------------------------------------------------------
     def install(self, trainer: "pl.Trainer") -> None:
@@ -105,6 +112,7 @@ class WholeStepGrapher:
         self._original_clip = precision.__dict__.get("clip_grad_by_norm")
         precision.clip_grad_by_norm = lambda optimizer, clip_val: clip_grad_norm_(
             precision.main_params(optimizer), clip_val)
+        self._undo_monitors = monitor_plain_lrs(trainer)
 
     def uninstall(self, trainer: "pl.Trainer") -> None:
         if self._original_loop is not None:
@@ -115,6 +123,7 @@ class WholeStepGrapher:
             del precision.clip_grad_by_norm
             if self._original_clip is not None:
                 precision.clip_grad_by_norm = self._original_clip
+        self._undo_monitors()
 
     # capture and replay --------------------------------------------------------------------------
     def capture(self, loop: "_WholeStepOptimization", optimizer: Any, batch_idx: int, kwargs: OrderedDict,
@@ -204,7 +213,7 @@ class WholeStepGrapher:
         self.static_result = result
         self.static_grads = [(p, p.grad) for group in unwrap(optimizer).param_groups for p in group["params"]
                              if p.grad is not None]
-        self.baked.remember(module, unwrap(optimizer).param_groups)
+        self.baked.remember(module, unwrap(optimizer))
         self.captures.append({"description": describe(key), "reason": self.recapture_reason,
                               "first_replay": self.replays, "capture_seconds": self.capture_seconds,
                               "pool_bytes": self.pool_bytes})
@@ -307,8 +316,10 @@ class _WholeStepOptimization(_AutomaticOptimization):
         grapher = self.grapher
         if grapher.failed:
             return self.eager_step(optimizer, batch_idx, kwargs, "capture failed (on_failure='eager')")
-        groups = unwrap(optimizer).param_groups
-        grapher.baked.adopt_lrs(groups)  # also on eager steps: they and a later capture read the same lr tensors
+        opt = unwrap(optimizer)
+        if opt is not grapher.optimizer:  # trainer.optimizers replaced; change() below captures again
+            grapher.adopt_optimizer(self.trainer)
+        grapher.baked.adopt_lrs(opt.param_groups)  # also on eager steps: they and a capture read the same lr tensors
         leaves, spec = tree_flatten(kwargs["batch"])
         key = batch_key(leaves, spec)
         if grapher.graph is not None:
@@ -316,7 +327,7 @@ class _WholeStepOptimization(_AutomaticOptimization):
                 # An eager step since the last replay rebound them; a replay runs no Python, so this is the
                 # one place they need binding again.
                 grapher.attributes.rebind_written()
-            change = grapher.baked.change(self.trainer.lightning_module, groups, batch_idx)
+            change = grapher.baked.change(self.trainer.lightning_module, opt, batch_idx)
             if change is not None:
                 grapher.drop_for_recapture(*change)
         if grapher.graph is None:

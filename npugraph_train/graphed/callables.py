@@ -54,7 +54,7 @@ from .user_code import warn_at_user_code
 
 # A module's hook dicts; hooks inside a graphed module would run once, at capture.
 MODULE_HOOK_KINDS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
-_GLOBAL_HOOK_KINDS = tuple(f"_global{kind}" for kind in MODULE_HOOK_KINDS)
+GLOBAL_HOOK_KINDS = tuple(f"_global{kind}" for kind in MODULE_HOOK_KINDS)
 _MODE_DIFFERS = "train/eval mode differs from capture (validation and test run eager by design)"
 
 
@@ -259,7 +259,7 @@ class GraphedCallable:
         handles = RemovableHandle.next_id
         if handles == self._hook_handles_seen:
             return ""
-        if any(getattr(nn.modules.module, kind, None) for kind in _GLOBAL_HOOK_KINDS):
+        if any(getattr(nn.modules.module, kind, None) for kind in GLOBAL_HOOK_KINDS):
             return "a global module hook was registered"
         for sub in self.submodules:
             if any(getattr(sub, kind) for kind in MODULE_HOOK_KINDS):
@@ -387,7 +387,7 @@ def _check_callable(func: Callable, name: str, args: tuple, kwargs: Dict[str, An
     def refuse(message: str) -> GraphCaptureError:
         return GraphCaptureError(message, module_name=name)
 
-    global_hooks = [kind for kind in _GLOBAL_HOOK_KINDS if getattr(nn.modules.module, kind, None)]
+    global_hooks = [kind for kind in GLOBAL_HOOK_KINDS if getattr(nn.modules.module, kind, None)]
     if global_hooks:
         raise refuse(f"{name}: global module hooks are registered ({', '.join(h.strip('_') for h in global_hooks)}, "
                      "e.g. by torch.nn.modules.module.register_module_forward_hook); they would run once at "
