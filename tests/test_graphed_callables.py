@@ -893,6 +893,50 @@ class TestModuleState:
         assert torch.equal(model(x), nn.functional.linear(x, model.weight, model.bias))
         assert sum(ng.graphed_state(model).eager_calls.values()) == 2
 
+    def test_storage_replaced_or_buffers_rebound_outside_the_forward_capture_again(self):
+        class Scaled(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.lin = nn.Linear(4, 4)
+                self.register_buffer("scale", torch.ones(4))
+                self.register_buffer("cache", torch.zeros(3, 4))  # only written by the forward
+
+            def forward(self, x):
+                y = self.lin(x) * self.scale
+                self.cache = y.detach()
+                return y
+
+        torch.manual_seed(0)
+        eager = Scaled()
+        graphed = copy.deepcopy(eager)
+        ng.make_graphed_callables(graphed, (torch.zeros(3, 4, requires_grad=True),))
+        state = ng.graphed_state(graphed)
+
+        def step(change=None):
+            x = torch.randn(3, 4, requires_grad=True)
+            for model in (eager, graphed):
+                if change is not None:
+                    change(model)
+                model(x).sum().backward()
+            assert torch.equal(eager(x), graphed(x)) and torch.equal(eager.cache, graphed.cache)
+            assert all(torch.equal(a, b) for a, b in zip(eager.parameters(), graphed.parameters()))
+
+        step()
+        with torch.no_grad():  # an eager call (eval) rebinds the written buffer: not a change from outside
+            x = torch.randn(3, 4)
+            assert torch.equal(graphed.eval()(x), eager.eval()(x)) and torch.equal(eager.cache, graphed.cache)
+            graphed.train(), eager.train()
+        captured = list(state.signatures.values())
+        step()
+        assert list(state.signatures.values()) == captured, "not captured again"
+        with pytest.warns(RuntimeWarning, match=r"Scaled: a buffer was rebound \(module.buf = ...; fill it in place"):
+            step(lambda m: setattr(m, "scale", torch.full((4,), 0.5)))
+        with pytest.warns(RuntimeWarning, match=r"Scaled: a parameter's storage was replaced \(p.data = ...; change "):
+            ng.graphed_state(graphed)._warned.discard("recapture")
+            step(lambda m: setattr(m.lin.weight, "data", nn.functional.normalize(m.lin.weight.data, dim=1)))
+        step()
+        assert sum(state.eager_calls.values()) == 1, "only the eval call"
+
     def test_sparse_gradients_are_refused(self):
         with pytest.raises(ng.GraphCaptureError, match=r"Embedding makes sparse gradients \(sparse=True\).*use sparse"):
             ng.make_graphed_callables(nn.Embedding(10, 4, sparse=True), (torch.zeros(3, dtype=torch.long),),

@@ -7,6 +7,7 @@ import warnings
 import lightning.pytorch as pl
 import pytest
 import torch
+import torch.nn as nn
 from lightning.pytorch import Callback
 from lightning.pytorch.callbacks import BackboneFinetuning, EarlyStopping, ModelCheckpoint
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
@@ -683,6 +684,8 @@ class ChangesSetup(Scheduled):
             self.saved = copy.deepcopy(self.trainer.optimizers[0].state_dict())
         if self.change == "grad_hook" and self.global_step == 11:  # mid-epoch
             self.head.weight.register_hook(lambda grad: grad * 0.5)
+        if self.change == "storage" and self.global_step == 11:  # a max-norm constraint, out of place
+            self.head.weight.data = nn.functional.normalize(self.head.weight.data, dim=1)
 
     @staticmethod
     @torch.no_grad()
@@ -700,6 +703,7 @@ class ChangesSetup(Scheduled):
     ("grad_hook", "gradient hooks of parameters were added or removed"),
     ("load_state_dict", "the optimizer's state was replaced"),
     ("new_optimizer", "the optimizer was replaced"),
+    ("storage", "a parameter's storage was replaced (p.data = ...; change parameters in place"),
 ])
 def test_setup_changes_after_capture_capture_again(change, reason):
     def run(callbacks):

@@ -5,7 +5,7 @@ then. So at capture, tensor attributes in which the step carries state from step
 0.9 * self.ema + ...``, torchmetrics states) are put back and refused (``graphed.state_attributes``), host
 reads of ``global_step``/``current_epoch`` and Python values in the step's outputs are warned about;
 before each replay, :class:`BakedSetup` finds what changed since capture (the optimizer and its state,
-param-group settings, train/eval flags, ``requires_grad``, hooks of modules, parameters and the optimizer,
+param-group settings, train/eval flags, ``requires_grad``, parameter storage, hooks of modules, parameters and the optimizer,
 and at each epoch's first batch parameters and buffers), so that the step is captured again instead of
 replaying a stale setup.
 """
@@ -173,6 +173,7 @@ class BakedSetup:
         self._training: List[bool] = []
         self._params: List[torch.Tensor] = []
         self._requires_grad: List[bool] = []
+        self._storages: List[int] = []
         self._optimizer: Optional[torch.optim.Optimizer] = None
         self._state: Any = None
         self._structure: Dict[str, list] = {}
@@ -204,6 +205,7 @@ class BakedSetup:
         self._training = [m.training for m in self._flagged_modules]
         self._params = list(module.parameters())
         self._requires_grad = [p.requires_grad for p in self._params]
+        self._storages = list(map(torch.Tensor.data_ptr, self._params))
         self._optimizer, self._state = optimizer, optimizer.state
         self._structure = _structure(module, optimizer)
         self._handles = RemovableHandle.next_id
@@ -211,7 +213,8 @@ class BakedSetup:
     def change(self, module: "pl.LightningModule", optimizer: torch.optim.Optimizer,
                batch_idx: int) -> Optional[Tuple[str, str]]:
         """(kind, description) of what changed since capture that the graph baked in, or None. The optimizer,
-        param groups, train/eval flags and requires_grad are checked every step (5-10 µs); hooks whenever one
+        param groups, train/eval flags, requires_grad and parameter storage are checked every step (5-10 µs);
+        hooks whenever one
         was registered (each takes a handle id), and parameters, buffers and hooks at each epoch's first batch
         (where callbacks such as ModelPruning change them)."""
         if optimizer is not self._optimizer:
@@ -229,6 +232,9 @@ class BakedSetup:
             return "mode", "modules were switched between train() and eval()"
         if [p.requires_grad for p in self._params] != self._requires_grad:
             return "requires_grad", "requires_grad of parameters changed (frozen or unfrozen)"
+        if list(map(torch.Tensor.data_ptr, self._params)) != self._storages:
+            return "storage", ("a parameter's storage was replaced (p.data = ...; change parameters in place, "
+                               "p.copy_(...), to keep the graph)")
         handles = RemovableHandle.next_id
         if batch_idx == 0 or handles != self._handles:
             now = _structure(module, optimizer)

@@ -23,8 +23,9 @@ and safer than both:
 - calls where nothing requires grad return copies, like ``no_grad`` calls;
 - a parameter or input that gains ``requires_grad`` after capture (unfrozen) recaptures the module;
   freezing keeps the graphs (autograd drops the gradients of frozen parameters and inputs);
-- a changed submodule setting (train/eval, ``Dropout.p``, any scalar attribute) recaptures, replaced
-  parameters (``load_state_dict(assign=True)``, ``functional_call``) run eager; state a forward carries
+- a changed submodule setting (train/eval, ``Dropout.p``, any scalar attribute), a parameter's storage
+  replaced (``p.data = ...``) or a buffer rebound between calls recaptures, replaced parameters
+  (``load_state_dict(assign=True)``, ``functional_call``) run eager; state a forward carries
   by rebinding an attribute (``self.avg = 0.9 * self.avg + ...``) is refused at capture;
 - double backward (``create_graph=True``) and a second backward after another call are refused
   instead of computing wrong gradients;
@@ -144,6 +145,12 @@ class GraphedCallable:
                  for n, p in m._parameters.items() if p is not None]
         self._param_dicts, self._param_names, self._param_objects = (list(z) for z in zip(*slots)) if slots else (
             [], [], [])
+        # Memory the graphs read that code outside the forward may move: a parameter's storage (p.data = ...,
+        # a max-norm constraint) and the buffers in their slots (a schedule kept in a buffer, rebound).
+        slots = [(m._buffers, n) for m in (func.modules() if self.is_module else ())
+                 for n, b in m._buffers.items() if b is not None]
+        self._buffer_dicts, self._buffer_names = (list(z) for z in zip(*slots)) if slots else ([], [])
+        self.note_memory()
         # Hooks of the module itself run around the graphed forward; those of its submodules would not.
         self.submodules = list(func.modules())[1:] if self.is_module else []
         self.module_settings = ModuleSettings(func if self.is_module else None)
@@ -164,6 +171,24 @@ class GraphedCallable:
     def params_in_place(self) -> bool:
         return all(map(operator.is_, map(dict.get, self._param_dicts, self._param_names), self._param_objects))
 
+    def note_memory(self) -> None:
+        """Take the parameters' storage and the buffers in their slots as the graphs' (after a capture: the
+        forward may bind buffers it only writes)."""
+        self._param_ptrs = list(map(torch.Tensor.data_ptr, self._param_objects))
+        self._buffers_seen = self._buffers_now()
+
+    def _buffers_now(self) -> List[Any]:
+        return list(map(dict.get, self._buffer_dicts, self._buffer_names))
+
+    def _memory_moved(self) -> str:
+        """What moved since the last call (or capture) that the graphs read, or ''."""
+        if list(map(torch.Tensor.data_ptr, self._param_objects)) != self._param_ptrs:
+            return ("a parameter's storage was replaced (p.data = ...; change parameters in place, "
+                    "p.copy_(...), to keep the graphs)")
+        if self._buffer_names and not all(map(operator.is_, self._buffers_now(), self._buffers_seen)):
+            return "a buffer was rebound (module.buf = ...; fill it in place, buf.copy_(...), to keep the graphs)"
+        return ""
+
     def call_original(self, *args: Any, **kwargs: Any) -> Any:
         return self._original(*args, **kwargs)
 
@@ -183,6 +208,14 @@ class GraphedCallable:
             return self._eager("its parameters were replaced after capture (load_state_dict(assign=True), "
                                "torch.func.functional_call, a new nn.Parameter assigned), and the graphs read the "
                                "old ones; ungraph, then graph again", args, kwargs)
+        moved = self._memory_moved()
+        if moved:
+            if any(sig.backward_pending() for sig in self.signatures.values()):
+                return self._eager(f"{moved.split(' (')[0]} while a backward of this module was pending", args,
+                                   kwargs)
+            if self.signatures:
+                self._drop_signatures(moved)
+            self.note_memory()
         flat, spec = flatten_call(args, kwargs)
         flags, settings = self.current_param_flags(), self.module_settings.read()
         gained = flags != self.param_flags and not within(flags, self.param_flags)
@@ -203,9 +236,7 @@ class GraphedCallable:
                     return self._eager("inputs gained requires_grad while a backward of this module was pending",
                                        args, kwargs)
                 # An upstream module was unfrozen: the new graphs serve the calls of the old ones too.
-                self._warn_once("recapture", f"npugraph_train: {self.name}: inputs require grad now that did not at "
-                                "capture; its graphs are captured again for the new setting (later recaptures are "
-                                "only counted in the report)")
+                self._warn_recapture("inputs require grad now that did not at capture")
                 self.signatures.pop(narrower).release()
             why_not = self._why_not_capture(key, flat)
             if why_not:
@@ -232,7 +263,10 @@ class GraphedCallable:
         self.stats[key].replays += 1
         needs_grad = torch.is_grad_enabled() and (any(flags) or any(
             isinstance(t, torch.Tensor) and t.requires_grad for t in flat))
-        return sig(flat, needs_grad)
+        out = sig(flat, needs_grad)
+        if sig.attributes is not None and self._buffer_names:  # it bound the buffers it writes to its tensors
+            self._buffers_seen = self._buffers_now()
+        return out
 
     def update(self, cpu_update_input: Union[List[Dict[str, Any]], Dict[str, List[Dict[str, Any]]]]) -> None:
         """New host arguments for the updatable ops of the next call's forward and backward graphs.
@@ -293,15 +327,16 @@ class GraphedCallable:
         # a backbone), or their forward bakes in the old submodule settings: the next call captures anew.
         if gained:
             count = sum(now and not was for now, was in zip(flags, self.param_flags))
-            what = f"{count} parameters require grad now and did not at capture"
+            self._drop_signatures(f"{count} parameters require grad now and did not at capture")
         else:
-            what = self.module_settings.change(self.settings, settings)
-        self._warn_once("recapture", f"npugraph_train: {self.name}: {what}; its graphs are captured again for the "
-                        "new setting (later recaptures are only counted in the report)")
+            self._drop_signatures(self.module_settings.change(self.settings, settings))
+        self.param_flags, self.settings = flags, settings  # what the next capture sees
+
+    def _drop_signatures(self, what: str) -> None:
+        self._warn_recapture(what)
         for sig in self.signatures.values():
             sig.release()
         self.signatures.clear()
-        self.param_flags, self.settings = flags, settings  # what the next capture sees
 
     def _eager(self, reason: str, args: tuple, kwargs: dict, kind: Optional[str] = None) -> Any:
         # Eval-mode calls are eager by design (validation); anything else is worth one warning per kind of
@@ -313,7 +348,12 @@ class GraphedCallable:
         before = self.module_settings.read()
         out = self.call_original(*args, **kwargs)
         self.settings = self.module_settings.adopt(self.settings, before, self.module_settings.read())
+        self._buffers_seen = self._buffers_now()  # buffers the forward itself rebinds are its own
         return out
+
+    def _warn_recapture(self, what: str) -> None:
+        self._warn_once("recapture", f"npugraph_train: {self.name}: {what}; its graphs are captured again for the "
+                        "new setting (later recaptures are only counted in the report)")
 
     def _warn_once(self, kind: str, message: str) -> None:
         if kind not in self._warned:
@@ -327,6 +367,7 @@ class GraphedCallable:
             self.cache_pool = self.backend.graph_pool_handle()
         sig = CapturedSignature(self, static_copies(flat), spec, self.cache_pool, (next(batch_ids), 0))
         capture_signatures([sig], key_of={id(sig): key})
+        self.note_memory()
         return sig
 
     # lifecycle -----------------------------------------------------------------------------------
@@ -496,6 +537,7 @@ def make_graphed_callables(
 
     results = []
     for state in states:
+        state.note_memory()
         if state.is_module:
             state.func.forward = GraphedForward(state)
             results.append(state.func)
