@@ -227,6 +227,14 @@ class TestRefusals:
         with pytest.raises(MisconfigurationException, match="OwnStep.optimizer_step, which is overridden"):
             self._fit(OwnStep())
 
+    def test_no_optimizer(self):
+        class NoOptimizer(Scheduled):
+            def configure_optimizers(self):
+                return None
+
+        with pytest.raises(MisconfigurationException, match="configure_optimizers returned no optimizer; return one"):
+            trainer([NPUGraphCallback(mode="whole_step")], max_steps=4).fit(NoOptimizer(), loaders()[0])
+
     def test_training_step_returning_none(self):
         class Skips(Scheduled):
             def training_step(self, batch, batch_idx):

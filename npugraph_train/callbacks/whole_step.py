@@ -25,6 +25,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import lightning.pytorch as pl
 import torch
+from lightning.pytorch.core.optimizer import _MockOptimizer
 from lightning.pytorch.loops.optimization.automatic import _AutomaticOptimization
 from lightning.pytorch.utilities import rank_zero_warn
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
@@ -93,6 +94,10 @@ class WholeStepGrapher:
     def adopt_optimizer(self, trainer: "pl.Trainer") -> None:
         """Make the trainer's optimizer capture-safe (or check it is), at fit start and when it is replaced."""
         optimizer = trainer.optimizers[0]  # Lightning allows only one under automatic optimization
+        if isinstance(unwrap(optimizer), _MockOptimizer):
+            raise MisconfigurationException(
+                "NPUGraphCallback(mode='whole_step') captures optimizer.step(), but configure_optimizers returned no "
+                "optimizer; return one, or use mode='submodules'")
         if self.config.convert_optimizers:
             make_capturable(optimizer)
         else:

@@ -16,7 +16,8 @@ What it does, keeping the optimizer object and its state:
 - SGD, which has none: a step that multiplies by a device learning rate instead of reading it on the
   host (same update, possibly different in the last bit from ``alpha=-lr``);
 - every learning rate becomes a 0-dim tensor on the parameters' device (float32; float64 for float64
-  parameters), which schedulers ``fill_``;
+  parameters), which schedulers ``fill_``; step counts are kept in the same dtype;
+- pickling (``torch.save`` of the optimizer object) gives a converted optimizer back;
 - on the CPU emulator, torch's device check for capturable optimizers accepts CPU tensors.
 
 Optimizers that cannot be made capture-safe (torch_npu's ``NpuFused*``, unknown classes) are refused with
@@ -35,8 +36,9 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch.optim import (ASGD, SGD, Adadelta, Adam, Adamax, AdamW, NAdam, Optimizer, RAdam, RMSprop, Rprop)
 
 _CAPTURABLE_FLAG = (Adam, AdamW, Adamax, NAdam, RAdam, RMSprop, Rprop, ASGD, Adadelta)
-# Modules whose functional step checks _get_capturable_supported_devices.
-_DEVICE_CHECK_MODULES = ("adam", "adamax", "nadam", "radam", "rmsprop", "rprop", "asgd", "adadelta")
+# Modules whose functional step checks _get_capturable_supported_devices and makes its scalar state (step
+# counts) with _get_scalar_dtype.
+_STEP_MODULES = ("adam", "adamax", "nadam", "radam", "rmsprop", "rprop", "asgd", "adadelta")
 
 
 def unwrap(optimizer: Any) -> Optimizer:
@@ -49,21 +51,28 @@ def _params(optimizer: Optimizer) -> List[torch.Tensor]:
 
 
 @contextlib.contextmanager
-def _accept_cpu() -> Iterator[None]:
-    """Let torch's capturable code paths run on CPU tensors (the emulator's device)."""
-    modules = [importlib.import_module(f"torch.optim.{name}") for name in _DEVICE_CHECK_MODULES]
-    originals = [m._get_capturable_supported_devices for m in modules]
+def _step_environment(accept_cpu: bool, scalar_dtype: torch.dtype) -> Iterator[None]:
+    """Let torch's capturable code paths run on CPU tensors (the emulator's device), and make new step counts
+    in ``scalar_dtype``: torch makes them float32 unless the default dtype is float64, and a capturable
+    step computes its bias corrections in the step count's dtype on the device (a plain one in double, on
+    the host), so float64 parameters need float64 counts."""
+    if not accept_cpu and scalar_dtype == torch.float32:
+        yield
+        return
+    modules = [importlib.import_module(f"torch.optim.{name}") for name in _STEP_MODULES]
+    originals = [(m._get_capturable_supported_devices, m._get_scalar_dtype) for m in modules]
 
     def with_cpu(original: Any) -> Any:
-        return lambda *args, **kwargs: original(*args, **kwargs) + ["cpu"]
+        return lambda *args, **kwargs: original(*args, **kwargs) + (["cpu"] if accept_cpu else [])
 
-    for module, original in zip(modules, originals):
-        module._get_capturable_supported_devices = with_cpu(original)
+    for module, (devices, _) in zip(modules, originals):
+        module._get_capturable_supported_devices = with_cpu(devices)
+        module._get_scalar_dtype = lambda *args, **kwargs: scalar_dtype
     try:
         yield
     finally:
-        for module, original in zip(modules, originals):
-            module._get_capturable_supported_devices = original
+        for module, (devices, dtype) in zip(modules, originals):
+            module._get_capturable_supported_devices, module._get_scalar_dtype = devices, dtype
 
 
 class CapturableOptimizer:
@@ -74,10 +83,8 @@ class CapturableOptimizer:
 
     def step(self, closure: Any = None) -> Any:
         params = _params(self)  # type: ignore[arg-type]
-        if params and params[0].device.type == "cpu":
-            with _accept_cpu():
-                return super().step(closure)  # type: ignore[misc]
-        return super().step(closure)  # type: ignore[misc]
+        with _step_environment(bool(params) and params[0].device.type == "cpu", _scalar_dtype(params)):
+            return super().step(closure)  # type: ignore[misc]
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
         super().load_state_dict(state_dict)  # type: ignore[misc]
@@ -89,6 +96,12 @@ class CapturableOptimizer:
         super().add_param_group(param_group)  # type: ignore[misc]
         self._plain_settings.append(_plain_settings(self.param_groups[-1]))  # type: ignore[attr-defined]
         make_capturable(self)
+
+    def __reduce_ex__(self, protocol: int) -> Any:
+        # The class is made at run time, one per torch class, so pickle cannot find it by name: rebuild it
+        # from the torch class it converts.
+        state = {**super().__getstate__(), "_plain_settings": self._plain_settings}  # type: ignore[misc]
+        return _converted, (type(self)._torch_class,), state  # type: ignore[attr-defined]
 
     def state_dict(self) -> Dict[str, Any]:
         """The plain optimizer's state dict: checkpoints resume without npugraph_train, on any device."""
@@ -209,8 +222,14 @@ def _capturable_class(cls: Type[Optimizer]) -> Type[Optimizer]:
     base = CapturableSGD if cls is SGD else cls
     if cls not in _classes:
         # Named like the class it converts: LearningRateMonitor and loggers key metrics on the class name.
-        _classes[cls] = type(cls.__name__, (CapturableOptimizer, base), {"__qualname__": f"Capturable{cls.__name__}"})
+        _classes[cls] = type(cls.__name__, (CapturableOptimizer, base),
+                             {"__qualname__": f"Capturable{cls.__name__}", "_torch_class": cls})
     return _classes[cls]
+
+
+def _converted(cls: Type[Optimizer]) -> Optimizer:
+    """An empty converted ``cls`` for unpickling (its state follows)."""
+    return object.__new__(_capturable_class(cls))
 
 
 def check_capture_safe(optimizer: Any, tensor_lr_needed: bool) -> None:
@@ -272,10 +291,9 @@ def _retarget_scheduler_wrapper(opt: Optimizer) -> None:
     opt.step = step  # type: ignore[method-assign]
 
 
-def _lr_dtype(group: Dict[str, Any]) -> torch.dtype:
-    # float32 holds the lr of float32, bf16 and fp16 parameters as their own update arithmetic does; float64
-    # parameters (precision="64-true") update in float64, so their lr must not be rounded to float32.
-    params = group["params"]
+def _scalar_dtype(params: List[torch.Tensor]) -> torch.dtype:
+    # float32 holds the lr and step count of float32, bf16 and fp16 parameters as their own update arithmetic
+    # does; float64 parameters (precision="64-true") update in float64, so those must not be rounded to float32.
     return torch.float64 if params and all(p.dtype == torch.float64 for p in params) else torch.float32
 
 
@@ -298,11 +316,11 @@ def make_capturable(optimizer: Any, device: Optional[torch.device] = None) -> An
             group["capturable"] = True
             group["foreach"] = True  # the single-tensor paths of some classes still read a tensor lr on the host
         lr = group["lr"]
-        dtype = _lr_dtype(group)
+        dtype = _scalar_dtype(group["params"])
         group["lr"] = (lr.detach().to(target, dtype) if isinstance(lr, torch.Tensor)
                        else torch.tensor(float(lr), dtype=dtype, device=target)).reshape(())
         for p in group["params"]:
             step = opt.state.get(p, {}).get("step")
             if isinstance(step, torch.Tensor) and isinstance(opt, _CAPTURABLE_FLAG):
-                opt.state[p]["step"] = step.to(p.device, torch.float32)
+                opt.state[p]["step"] = step.to(p.device, dtype)
     return optimizer
