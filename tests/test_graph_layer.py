@@ -190,8 +190,9 @@ def test_ops_whose_output_shape_a_device_knows_are_captured():
 
 def test_masked_put_of_several_values_is_refused_one_value_is_masked_fill():
     x, mask = torch.zeros(4, 5), torch.tensor([True, False, True, False])
-    for put in (lambda: x.__setitem__(mask, torch.arange(5.0)), lambda: x.index_put_((mask,), torch.ones(1),
-                                                                                      accumulate=True)):
+    columns = torch.tensor([1, 3])
+    for put in (lambda: x.__setitem__(mask, torch.arange(5.0)), lambda: x.__setitem__((mask, columns), 0.0),
+                lambda: x.index_put_((mask,), torch.ones(1), accumulate=True)):
         with pytest.raises(GraphCaptureError, match=r"boolean mask turns the mask into indices.*torch.where"):
             _replayed(put)
     _replayed(lambda: x.__setitem__(mask, 2.0))

@@ -989,3 +989,31 @@ def test_a_plain_optimizer_swapped_in_mid_fit_is_made_capture_safe():
     # the new SGD steps with the lr on the device (CapturableSGD): the same update but for the last bit
     for a, b in zip(eager.parameters(), graphed.parameters()):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_a_setup_changed_on_every_step_runs_eager_after_three_recaptures():
+    class ActivationStats(Callback):  # registers a hook per step, as activation-statistics callbacks do
+        def __init__(self):
+            self.means = []
+
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            self.handle = pl_module.head.register_forward_hook(lambda m, i, out: self.means.append(out.mean()))
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            self.handle.remove()
+
+    def run(callbacks):
+        torch.manual_seed(0)
+        model, stats = Scheduled(), ActivationStats()
+        trainer([stats] + callbacks, max_steps=16, val_check_interval=None, limit_val_batches=0).fit(
+            model, loaders()[0])
+        return model, stats.means
+
+    (eager, eager_means), callback = run([]), NPUGraphCallback(mode="whole_step")
+    with pytest.warns(RuntimeWarning, match=r"on 3 steps in a row, so the step runs eager for the rest of this fit"):
+        graphed, graphed_means = run([callback])
+    assert _same(eager, graphed)
+    report = callback.report()[0]
+    assert report["captures"] == 3 and report["status"].startswith("runs eager: the modules' parameters")
+    assert report["eager_calls"] == {report["status"][len("runs eager: "):]: 16 - 3 - 3}  # 3 warmup steps
+    assert torch.equal(torch.stack(graphed_means[-10:]), torch.stack(eager_means[-10:]))

@@ -5,9 +5,9 @@ then. So at capture, tensor attributes in which the step carries state from step
 0.9 * self.ema + ...``, torchmetrics states) are put back and refused (``graphed.state_attributes``), host
 reads of ``global_step``/``current_epoch`` and Python values in the step's outputs are warned about;
 before each replay, :class:`BakedSetup` finds what changed since capture (the optimizer and its state,
-param-group settings, train/eval flags, ``requires_grad``, parameter storage, hooks of modules, parameters and the optimizer,
-and at each epoch's first batch parameters and buffers), so that the step is captured again instead of
-replaying a stale setup.
+param-group settings, train/eval flags, ``requires_grad``, parameter storage, hooks of modules, parameters
+and the optimizer, and at each epoch's first batch parameters and buffers), so that the step is captured
+again instead of replaying a stale setup.
 """
 from __future__ import annotations
 
@@ -124,24 +124,30 @@ def python_outputs(result: Dict[str, Any]) -> List[str]:
             if any(not isinstance(leaf, torch.Tensor) for leaf in tree_flatten(value)[0] if leaf is not None)]
 
 
+# What a replay runs no Python for, by part; the kind of change each makes (warned once per kind).
+_STRUCTURE_CHANGES = {
+    "modules": "the modules' parameters, buffers or hooks changed (e.g. pruning)",
+    "grad hooks": "gradient hooks of parameters were added or removed (Tensor.register_hook)",
+    "step hooks": "the optimizer's step hooks were added or removed (register_step_pre_hook/post_hook)",
+}
+
+
 def _structure(root: torch.nn.Module, optimizer: torch.optim.Optimizer) -> Dict[str, list]:
-    """What a replay runs no Python for, by part: per module its parameters and buffers (by identity) and
-    hooks, the parameters' gradient hooks, and the optimizer's step hooks (hooks by handle id). Metric modules
-    are left out: a captured step cannot update them (refused at capture), and their reset() rebinds their
+    """Per part of :data:`_STRUCTURE_CHANGES`: per module its parameters and buffers (by identity) and hooks,
+    the parameters' gradient hooks, and the optimizer's step hooks (hooks by handle id). Metric modules are
+    left out: a captured step cannot update them (refused at capture), and their reset() rebinds their
     buffers."""
     modules = [(id(m), tuple(map(id, m._parameters.values())), tuple(map(id, m._buffers.values())))
                + tuple(tuple(getattr(m, kind)) for kind in MODULE_HOOK_KINDS)
                for m in root.modules() if not is_metric(m)]
     modules.append(tuple(tuple(getattr(torch.nn.modules.module, kind, ())) for kind in GLOBAL_HOOK_KINDS))
     return {
-        "the modules' parameters, buffers or hooks changed (e.g. pruning)": modules,
-        "gradient hooks of parameters were added or removed (Tensor.register_hook)": [
-            (tuple(p._backward_hooks or ()), tuple(getattr(p, "_post_accumulate_grad_hooks", None) or ()))
-            for p in root.parameters()],
-        "the optimizer's step hooks were added or removed (register_step_pre_hook/post_hook)": [
-            tuple(optimizer._optimizer_step_pre_hooks), tuple(optimizer._optimizer_step_post_hooks),
-            tuple(torch_optimizer._global_optimizer_pre_hooks),
-            tuple(torch_optimizer._global_optimizer_post_hooks)],
+        "modules": modules,
+        "grad hooks": [(tuple(p._backward_hooks or ()), tuple(getattr(p, "_post_accumulate_grad_hooks", None) or ()))
+                       for p in root.parameters()],
+        "step hooks": [tuple(optimizer._optimizer_step_pre_hooks), tuple(optimizer._optimizer_step_post_hooks),
+                       tuple(torch_optimizer._global_optimizer_pre_hooks),
+                       tuple(torch_optimizer._global_optimizer_post_hooks)],
     }
 
 
@@ -213,10 +219,10 @@ class BakedSetup:
     def change(self, module: "pl.LightningModule", optimizer: torch.optim.Optimizer,
                batch_idx: int) -> Optional[Tuple[str, str]]:
         """(kind, description) of what changed since capture that the graph baked in, or None. The optimizer,
-        param groups, train/eval flags, requires_grad and parameter storage are checked every step (5-10 µs);
-        hooks whenever one
-        was registered (each takes a handle id), and parameters, buffers and hooks at each epoch's first batch
-        (where callbacks such as ModelPruning change them)."""
+        param groups, train/eval flags, requires_grad and parameter storage are checked every step (5-10 µs
+        on small models, a few more per 100 parameters); hooks whenever one was registered (each takes a
+        handle id); parameters, buffers and hooks at each epoch's first batch (where callbacks such as
+        ModelPruning change them)."""
         if optimizer is not self._optimizer:
             return "optimizer", "the optimizer was replaced (trainer.optimizers)"
         if optimizer.state is not self._state:
@@ -240,6 +246,6 @@ class BakedSetup:
             now = _structure(module, optimizer)
             for part, before in self._structure.items():
                 if now[part] != before:
-                    return "structure", part
+                    return part, _STRUCTURE_CHANGES[part]
             self._handles = handles
         return None

@@ -45,6 +45,9 @@ from .step_checks import (BakedSetup, WatchedIndex, is_metric, python_outputs, r
 from .step_logs import StepLogRecorder, monitor_plain_lrs
 from .step_setup import check_schedulers
 
+# Recaptures in a row, each after at most one replay, after which the step runs eager for the rest of the fit.
+UNSETTLED_AFTER = 3
+
 # The LightningModule method that maps a batch to the cpu_update_input of its graphs (auto_dispatch_capture).
 UPDATE_HOOK = "npugraph_update_input"
 
@@ -77,6 +80,8 @@ class WholeStepGrapher:
         self.baked = BakedSetup()  # what the graph bakes in, checked before each replay
         self.optimizer: Optional[torch.optim.Optimizer] = None
         self.recapture_reason: Optional[str] = None  # set while a changed setup waits to be captured again
+        self.unsettled: Optional[str] = None  # why every step runs eager: the setup changes step after step
+        self._changed_in_a_row = 0  # recaptures each made after at most one replay
         self.attributes: Optional[StateAttributes] = None
         self.status = NOT_CAPTURED
         self._waited_for_filled = False  # one eager step already let attributes that held nothing fill
@@ -272,6 +277,14 @@ class WholeStepGrapher:
         self.eager_steps[reason] += 1
 
     def drop_for_recapture(self, kind: str, reason: str) -> None:
+        replayed = self.replays - self.captures[-1]["first_replay"] if self.captures else 0
+        self._changed_in_a_row = self._changed_in_a_row + 1 if replayed <= 1 else 1
+        if self._changed_in_a_row >= UNSETTLED_AFTER:
+            # A capture costs many steps' time: capturing again on every step is slower than eager.
+            self.unsettled = (f"{reason} on {self._changed_in_a_row} steps in a row, so the step runs eager for the "
+                              "rest of this fit (keep the setup constant between steps, e.g. register hooks once, "
+                              "before fit, to graph it)")
+            self.status = f"runs eager: {self.unsettled}"
         if f"setup:{kind}" not in self._warned:
             self._warned.add(f"setup:{kind}")
             rank_zero_warn(f"NPUGraphCallback(mode='whole_step'): {reason} after the training step was captured; "
@@ -321,6 +334,8 @@ class _WholeStepOptimization(_AutomaticOptimization):
         grapher = self.grapher
         if grapher.failed:
             return self.eager_step(optimizer, batch_idx, kwargs, "capture failed (on_failure='eager')")
+        if grapher.unsettled:
+            return self.eager_step(optimizer, batch_idx, kwargs, grapher.unsettled)
         opt = unwrap(optimizer)
         if opt is not grapher.optimizer:  # trainer.optimizers replaced; change() below captures again
             grapher.adopt_optimizer(self.trainer)
@@ -335,6 +350,8 @@ class _WholeStepOptimization(_AutomaticOptimization):
             change = grapher.baked.change(self.trainer.lightning_module, opt, batch_idx)
             if change is not None:
                 grapher.drop_for_recapture(*change)
+                if grapher.unsettled:
+                    return self.eager_step(optimizer, batch_idx, kwargs, grapher.unsettled)
         if grapher.graph is None:
             if grapher.recapture_reason is not None:
                 return self.recapture(optimizer, batch_idx, kwargs, leaves, spec, key)

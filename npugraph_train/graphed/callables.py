@@ -141,24 +141,22 @@ class GraphedCallable:
         self.params: Tuple[torch.Tensor, ...] = tuple(func.parameters()) if self.is_module else ()
         # Where each parameter is registered: load_state_dict(assign=True) and torch.func.functional_call put
         # other tensors there, which the graphs would never read.
-        slots = [(m._parameters, n, p) for m in (func.modules() if self.is_module else ())
-                 for n, p in m._parameters.items() if p is not None]
-        self._param_dicts, self._param_names, self._param_objects = (list(z) for z in zip(*slots)) if slots else (
-            [], [], [])
+        modules = list(func.modules()) if self.is_module else []
+        param_slots = [(m._parameters, n, p) for m in modules for n, p in m._parameters.items() if p is not None]
+        self._param_dicts, self._param_names, self._param_objects = (
+            (list(z) for z in zip(*param_slots)) if param_slots else ([], [], []))
         # Memory the graphs read that code outside the forward may move: a parameter's storage (p.data = ...,
         # a max-norm constraint) and the buffers in their slots (a schedule kept in a buffer, rebound).
-        slots = [(m._buffers, n) for m in (func.modules() if self.is_module else ())
-                 for n, b in m._buffers.items() if b is not None]
-        self._buffer_dicts, self._buffer_names = (list(z) for z in zip(*slots)) if slots else ([], [])
-        self.note_memory()
+        self._buffer_slots = [(m, n) for m in modules for n, b in m._buffers.items() if b is not None]
         # Hooks of the module itself run around the graphed forward; those of its submodules would not.
-        self.submodules = list(func.modules())[1:] if self.is_module else []
+        self.submodules = modules[1:]
         self.module_settings = ModuleSettings(func if self.is_module else None)
         self.settings = self.module_settings.read()
         self._hook_handles_seen = -1  # RemovableHandle.next_id at the last scan that found no hook
         self.param_flags = self.current_param_flags()
         self.training = func.training if self.is_module else None
         self.signatures: Dict[Signature, CapturedSignature] = {}
+        self.note_memory()
         self._failed: Dict[Signature, str] = {}  # signatures whose capture failed, with the reason
         self.stats: Dict[Signature, SignatureStats] = {}
         self.eager_calls: Counter = Counter()
@@ -172,22 +170,26 @@ class GraphedCallable:
         return all(map(operator.is_, map(dict.get, self._param_dicts, self._param_names), self._param_objects))
 
     def note_memory(self) -> None:
-        """Take the parameters' storage and the buffers in their slots as the graphs' (after a capture: the
-        forward may bind buffers it only writes)."""
+        """Take the parameters' storage and the buffers in their slots as the graphs' (after a capture). Buffers
+        the forward only writes are left out: a replay binds them to its own tensors."""
         self._param_ptrs = list(map(torch.Tensor.data_ptr, self._param_objects))
+        written = {(id(module), attr) for sig in self.signatures.values() if sig.attributes is not None
+                   for _, module, where, attr, _, _ in sig.attributes.written if where == "_buffers"}
+        watched = [(m._buffers, n) for m, n in self._buffer_slots if (id(m), n) not in written]
+        self._buffer_dicts, self._buffer_names = (list(z) for z in zip(*watched)) if watched else ([], [])
         self._buffers_seen = self._buffers_now()
 
     def _buffers_now(self) -> List[Any]:
         return list(map(dict.get, self._buffer_dicts, self._buffer_names))
 
-    def _memory_moved(self) -> str:
-        """What moved since the last call (or capture) that the graphs read, or ''."""
+    def _memory_moved(self) -> Optional[Tuple[str, str]]:
+        """(what, how to keep the graphs) for memory the graphs read that moved since capture, or None."""
         if list(map(torch.Tensor.data_ptr, self._param_objects)) != self._param_ptrs:
-            return ("a parameter's storage was replaced (p.data = ...; change parameters in place, "
-                    "p.copy_(...), to keep the graphs)")
+            return ("a parameter's storage was replaced (p.data = ...)",
+                    "change parameters in place, p.copy_(...), to keep the graphs")
         if self._buffer_names and not all(map(operator.is_, self._buffers_now(), self._buffers_seen)):
-            return "a buffer was rebound (module.buf = ...; fill it in place, buf.copy_(...), to keep the graphs)"
-        return ""
+            return "a buffer was rebound (module.buf = ...)", "fill it in place, buf.copy_(...), to keep the graphs"
+        return None
 
     def call_original(self, *args: Any, **kwargs: Any) -> Any:
         return self._original(*args, **kwargs)
@@ -211,10 +213,9 @@ class GraphedCallable:
         moved = self._memory_moved()
         if moved:
             if any(sig.backward_pending() for sig in self.signatures.values()):
-                return self._eager(f"{moved.split(' (')[0]} while a backward of this module was pending", args,
-                                   kwargs)
+                return self._eager(f"{moved[0]} while a backward of this module was pending", args, kwargs)
             if self.signatures:
-                self._drop_signatures(moved)
+                self._drop_signatures(f"{moved[0]}; {moved[1]}")
             self.note_memory()
         flat, spec = flatten_call(args, kwargs)
         flags, settings = self.current_param_flags(), self.module_settings.read()
@@ -263,10 +264,7 @@ class GraphedCallable:
         self.stats[key].replays += 1
         needs_grad = torch.is_grad_enabled() and (any(flags) or any(
             isinstance(t, torch.Tensor) and t.requires_grad for t in flat))
-        out = sig(flat, needs_grad)
-        if sig.attributes is not None and self._buffer_names:  # it bound the buffers it writes to its tensors
-            self._buffers_seen = self._buffers_now()
-        return out
+        return sig(flat, needs_grad)
 
     def update(self, cpu_update_input: Union[List[Dict[str, Any]], Dict[str, List[Dict[str, Any]]]]) -> None:
         """New host arguments for the updatable ops of the next call's forward and backward graphs.
@@ -345,10 +343,12 @@ class GraphedCallable:
             self._warn_once(kind or reason, f"npugraph_train: {self.name} ran eager: {reason}. Later eager calls for "
                             "this reason are only counted (graphed_state(...).report())")
         self.eager_calls[reason] += 1
-        before = self.module_settings.read()
+        before, buffers = self.module_settings.read(), self._buffers_now()
         out = self.call_original(*args, **kwargs)
         self.settings = self.module_settings.adopt(self.settings, before, self.module_settings.read())
-        self._buffers_seen = self._buffers_now()  # buffers the forward itself rebinds are its own
+        # Buffers the forward rebinds are its own; one rebound before this call is still a change for the graphs.
+        self._buffers_seen = [now if now is not was else seen
+                              for seen, was, now in zip(self._buffers_seen, buffers, self._buffers_now())]
         return out
 
     def _warn_recapture(self, what: str) -> None:

@@ -24,8 +24,9 @@ What it models, as a device graph behaves:
   capture" does.
 - Ops that make the host wait for device data (``.item()``, ``.tolist()``, ``.numpy()``, ``.cpu()``,
   ``bool(t)``, printing a tensor, ``nonzero``, ``torch.equal``, ops with data-dependent output shapes
-  (``x[mask]``; integer indices and ``repeat_interleave(..., output_size=n)`` are captured), putting several
-  values through a mask (``x[mask] = values``), ``synchronize()``) raise ``GraphCaptureError``
+  (``x[mask]``; integer indices and ``repeat_interleave(..., output_size=n)`` are captured), putting values
+  through a mask other than one number through a lone mask (``x[mask] = values``, ``x[mask, idx] = 0``),
+  ``synchronize()``) raise ``GraphCaptureError``
   naming the op and the user's source line. So does ``torch.tensor(...)``/``as_tensor`` of host data
   with at least one dimension, which on a device is a host-to-device copy that breaks capture (0-dim
   values pass: kernels take such scalars from the host at capture time).
@@ -193,7 +194,7 @@ class _Recorder(TorchDispatchMode):
             raise _capture_error(f"op {func} has an output shape that depends on tensor data")
         if func in _INDEX_PUT_OPS and _mask_needs_indices(args, kwargs):
             raise _capture_error(f"op {func} with a boolean mask turns the mask into indices (nonzero) on the "
-                                 "host; use torch.where(mask, values, x), or masked_fill_ for one value")
+                                 "host; use torch.where(mask, values, x), or x.masked_fill_(mask, number)")
         # 0-dim values are scalars that kernels take from the host at capture, as on a device.
         if func in _HOST_DATA_OPS and args[0].dim() > 0:
             raise _capture_error(f"op {func} (torch.tensor/as_tensor) copies host data to the device")
@@ -232,11 +233,12 @@ _INDEX_PUT_OPS = {torch.ops.aten.index_put_.default, torch.ops.aten.index_put.de
 
 
 def _mask_needs_indices(args: tuple, kwargs: dict) -> bool:
-    # x[mask] = v: ATen turns a mask into indices with nonzero(), a host sync on a device, except for one
-    # value put without accumulating, which it hands to masked_fill_.
-    indices, values = args[1], args[2]
+    # x[mask] = v: ATen turns a mask into indices with nonzero(), a host sync on a device, unless the mask is
+    # the only index and v one value from the host, put without accumulating: that goes to masked_fill_.
+    # (A one-element device tensor as v syncs on a device too; the emulator cannot tell it from a number.)
+    indices, values = [i for i in args[1] if i is not None], args[2]
     accumulate = args[3] if len(args) > 3 else kwargs.get("accumulate", False)
-    return any(map(_is_mask, indices)) and (values.numel() != 1 or accumulate)
+    return any(map(_is_mask, indices)) and (len(indices) > 1 or values.numel() != 1 or accumulate)
 
 
 def _returns(schema: Any, out: Any) -> tuple:
