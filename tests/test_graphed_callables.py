@@ -943,6 +943,23 @@ class TestModuleState:
         step()
         assert sum(state.eager_calls.values()) == 2, "only the eval calls"
 
+    def test_in_place_edits_of_outputs_the_backward_reads_are_refused_as_in_eager(self):
+        torch.manual_seed(0)
+        gate, linear = nn.Sequential(nn.Linear(4, 4), nn.Sigmoid()), nn.Linear(4, 4)
+        eager_linear = copy.deepcopy(linear)
+        ng.make_graphed_callables((gate, linear), ((torch.zeros(3, 4),), (torch.zeros(3, 4),)))
+        x = torch.randn(3, 4)
+        out = gate(x)
+        out.mul_(2)  # sigmoid's backward reads its output
+        with pytest.raises(ng.GraphStateError, match=r"Sequential: an output that its backward reads was modified "
+                                                     r"by an in-place operation.*out = out \* 2"):
+            out.sum().backward()
+        for model in (linear, eager_linear):  # a Linear's backward does not read its output: as eager
+            out = model(x)
+            out += 1
+            out.pow(2).sum().backward()
+        assert torch.equal(linear.weight.grad, eager_linear.weight.grad)
+
     def test_sparse_gradients_are_refused(self):
         with pytest.raises(ng.GraphCaptureError, match=r"Embedding makes sparse gradients \(sparse=True\).*use sparse"):
             ng.make_graphed_callables(nn.Embedding(10, 4, sparse=True), (torch.zeros(3, dtype=torch.long),),

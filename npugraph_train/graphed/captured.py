@@ -99,6 +99,7 @@ class CapturedSignature:
         self.fwd_graph = Graph(owner.backend)
         self.bwd_graph = Graph(owner.backend)
         self.static_outputs: Tuple[torch.Tensor, ...] = ()
+        self.outputs_read_by_backward: Tuple[torch.Tensor, ...] = ()
         self.output_spec: Any = None
         self.none_outputs: Tuple[int, ...] = ()  # positions of None among the flat outputs
         self.replays = 0  # forward replays: a backward must follow the replay whose activations it reads
@@ -166,8 +167,15 @@ class CapturedSignature:
 
     def capture_forward(self) -> None:
         args, kwargs = tree_unflatten(self.leaves, self.spec)
+        saved: set = set()
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            saved.add(_storage_key(t))
+            return t
+
         with graph(self.fwd_graph, pool=self.pool, capture_error_mode=self.owner.capture_error_mode,
-                   auto_dispatch_capture=self.owner.auto_dispatch_capture):
+                   auto_dispatch_capture=self.owner.auto_dispatch_capture), \
+                torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             outputs = self.owner.call_original(*args, **kwargs)
         flat, self.output_spec = tree_flatten(outputs)
         bad = [type(o).__name__ for o in flat if not isinstance(o, torch.Tensor) and o is not None]
@@ -176,6 +184,9 @@ class CapturedSignature:
                                     f"tuples/lists/dicts of them), got {', '.join(bad)}")
         self.none_outputs = tuple(i for i, o in enumerate(flat) if o is None)
         self.static_outputs = tuple(o for o in flat if o is not None)
+        # Outputs the backward graph reads (a sigmoid's, say): an in-place edit of one before the backward
+        # changes the gradients, which eager autograd refuses through version counters; so is it here.
+        self.outputs_read_by_backward = tuple(o for o in self.static_outputs if _storage_key(o) in saved)
 
     def capture_backward(self) -> None:
         self.static_grad_outputs = tuple(torch.empty_like(o) if o.requires_grad else None
@@ -214,6 +225,7 @@ class CapturedSignature:
             def forward(ctx: Any, *inputs: torch.Tensor) -> Tuple[torch.Tensor, ...]:
                 sig.replay_forward(inputs[:num_user])
                 ctx.replay = sig.replays
+                ctx.versions = [o._version for o in sig.outputs_read_by_backward]
                 pool_order.pending[id(sig)] = (sig.order, weakref.ref(ctx))
                 ctx.in_checkpoint = in_checkpoint_forward()
                 outputs = tuple(o.detach() for o in sig.static_outputs)
@@ -236,6 +248,11 @@ class CapturedSignature:
                         f"{name}: backward of a call whose activations a later call's replay overwrote "
                         "(retain_graph=True, then another call before this backward); run each backward before "
                         f"calling {name} again, or keep {name} eager")
+                if [o._version for o in sig.outputs_read_by_backward] != ctx.versions:
+                    raise GraphStateError(
+                        f"{name}: an output that its backward reads was modified by an in-place operation after "
+                        f"the call (out.mul_(2), out += x, relu_ on it), which would give wrong gradients (eager "
+                        "autograd refuses it too); use an out-of-place op (out = out * 2)")
                 overwritten_by = getattr(ctx, "overwritten_by", None)
                 if overwritten_by is not None:
                     raise GraphStateError(
@@ -294,6 +311,13 @@ class CapturedSignature:
         for position in self.none_outputs:
             out.insert(position, None)
         return tree_unflatten(out, self.output_spec)
+
+
+def _storage_key(t: torch.Tensor) -> Any:
+    try:
+        return t.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):  # tensors without storage (sparse, some subclasses)
+        return None
 
 
 class _NoBackward(torch.autograd.Function):
