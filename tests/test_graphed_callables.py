@@ -960,6 +960,14 @@ class TestModuleState:
             out.pow(2).sum().backward()
         assert torch.equal(linear.weight.grad, eager_linear.weight.grad)
 
+    @pytest.mark.parametrize("requires_grad", [False, True])
+    def test_forwards_that_write_their_input_in_place_are_refused(self, requires_grad):
+        block = nn.Sequential(nn.ReLU(inplace=True), nn.Linear(4, 4))
+        with pytest.raises(ng.GraphCaptureError, match=r"Sequential: its forward writes an argument tensor in place"
+                                                       r".*Make that op out of place \(inplace=False"):
+            ng.make_graphed_callables(block, (torch.randn(3, 4, requires_grad=requires_grad),))
+        assert "forward" not in block.__dict__
+
     def test_sparse_gradients_are_refused(self):
         with pytest.raises(ng.GraphCaptureError, match=r"Embedding makes sparse gradients \(sparse=True\).*use sparse"):
             ng.make_graphed_callables(nn.Embedding(10, 4, sparse=True), (torch.zeros(3, dtype=torch.long),),

@@ -117,9 +117,17 @@ class CapturedSignature:
         surface = self.surface
         for iteration in range(self.owner.num_warmup_iters):
             args, kwargs = tree_unflatten(self.leaves, self.spec)
-            outputs = [o for o in tree_flatten(self.owner.call_original(*args, **kwargs))[0]
-                       if isinstance(o, torch.Tensor) and o.requires_grad]
+            versions = [t._version for t in self.static_inputs]
+            try:
+                outputs = [o for o in tree_flatten(self.owner.call_original(*args, **kwargs))[0]
+                           if isinstance(o, torch.Tensor) and o.requires_grad]
+            except RuntimeError as exc:
+                if "leaf Variable that requires grad" not in str(exc):
+                    raise
+                raise self._writes_inputs_error() from exc
             if iteration == 0:
+                if [t._version for t in self.static_inputs] != versions:
+                    raise self._writes_inputs_error()
                 self._check_leaves(outputs)
             inputs = tuple(i for i in surface if i.requires_grad)
             if outputs and inputs:
@@ -132,6 +140,13 @@ class CapturedSignature:
                         f"{self.owner.name}: {self._label(unused)} require grad but do not reach its outputs "
                         "(unused in this call); pass allow_unused_input=True (@graph_safe(allow_unused_input=True) "
                         "for the callback), or freeze them (requires_grad_(False))")
+
+    def _writes_inputs_error(self) -> GraphCaptureError:
+        # A replay writes the graph's copy of the input, never the caller's tensor, which eager would change.
+        return GraphCaptureError(
+            f"{self.owner.name}: its forward writes an argument tensor in place (an nn.ReLU(inplace=True) or "
+            "x.add_(...) applied to its input); a graph can only write its own copy, so the caller's tensor "
+            "would keep its old values. Make that op out of place (inplace=False, x = x + ...)")
 
     def _label(self, tensors: Sequence[torch.Tensor]) -> str:
         names = {id(t): f"argument tensor {i}" for i, t in enumerate(self.static_inputs)}
