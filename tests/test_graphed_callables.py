@@ -968,6 +968,24 @@ class TestModuleState:
             ng.make_graphed_callables(block, (torch.randn(3, 4, requires_grad=requires_grad),))
         assert "forward" not in block.__dict__
 
+    def test_python_state_carried_from_call_to_call_is_refused_and_put_back(self):
+        class Ramp(nn.Module):
+            def __init__(self, counts=True):
+                super().__init__()
+                self.lin, self.counts, self.calls, self.initialised = nn.Linear(4, 4), counts, 0, False
+
+            def forward(self, x):
+                self.calls += self.counts  # read back below: frozen by a replay
+                self.initialised = True  # set once: fine
+                return x + min(1.0, (self.calls + 1) / 4) * self.lin(x)
+
+        model = Ramp()
+        with pytest.raises(ng.GraphCaptureError, match=r"Ramp: its forward changes a Python attribute on every call "
+                                                       r"\(calls changed from 1 to 2 during warmup\).*self.calls.add_"):
+            ng.make_graphed_callables(model, (torch.randn(3, 4),))
+        assert model.calls == 0 and model.initialised is False, "warmup leaves no trace"
+        ng.make_graphed_callables(Ramp(counts=False), (torch.randn(3, 4),))  # a flag set once is not state
+
     def test_sparse_gradients_are_refused(self):
         with pytest.raises(ng.GraphCaptureError, match=r"Embedding makes sparse gradients \(sparse=True\).*use sparse"):
             ng.make_graphed_callables(nn.Embedding(10, 4, sparse=True), (torch.zeros(3, dtype=torch.long),),

@@ -86,6 +86,12 @@ class ModuleSettings:
             self._find()
             return tuple(map(dict.__getitem__, self._dicts, self._keys))
 
+    def write(self, values: tuple) -> None:
+        """Put back settings as :meth:`read` gave them."""
+        if len(values) == len(self._keys):
+            for where, key, value in zip(self._dicts, self._keys, values):
+                where[key] = value
+
     @staticmethod
     def differ(a: tuple, b: tuple) -> bool:
         try:

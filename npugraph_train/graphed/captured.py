@@ -115,6 +115,7 @@ class CapturedSignature:
 
     def warmup(self) -> None:
         surface = self.surface
+        previous: tuple = ()
         for iteration in range(self.owner.num_warmup_iters):
             args, kwargs = tree_unflatten(self.leaves, self.spec)
             versions = [t._version for t in self.static_inputs]
@@ -125,10 +126,20 @@ class CapturedSignature:
                 if "leaf Variable that requires grad" not in str(exc):
                     raise
                 raise self._writes_inputs_error() from exc
+            settings = self.owner.module_settings.read()
             if iteration == 0:
                 if [t._version for t in self.static_inputs] != versions:
                     raise self._writes_inputs_error()
                 self._check_leaves(outputs)
+            elif self.owner.module_settings.differ(settings, previous):
+                # Changed again on a later call: state carried in Python (a call counter), which replays,
+                # running no Python, would freeze. (Set once, as an init flag, is not.)
+                raise GraphCaptureError(
+                    f"{self.owner.name}: its forward changes a Python attribute on every call "
+                    f"({self.owner.module_settings.change(previous, settings)} during warmup); a replay runs no "
+                    "Python, so it would keep its capture value. Keep such state in a tensor buffer updated in "
+                    "place (self.calls.add_(1)), or outside the graphed module")
+            previous = settings
             inputs = tuple(i for i in surface if i.requires_grad)
             if outputs and inputs:
                 with self.owner.backend.without_autocast():
@@ -364,6 +375,7 @@ def capture_signatures(sigs: Sequence[CapturedSignature], key_of: Dict[int, Sign
     buffers = [b for m in modules for b in m.buffers()]
     saved_buffers = [b.detach().clone() for b in buffers]
     before_warmup = [StateAttributes(m) for m in modules]
+    settings_before = [o.module_settings.read() for o in owners]
     reads = StorageReads()
     attributes: Dict[int, StateAttributes] = {}
     cpu_rng, device_rng = torch.get_rng_state(), backend.get_rng_state()
@@ -413,6 +425,8 @@ def capture_signatures(sigs: Sequence[CapturedSignature], key_of: Dict[int, Sign
                 timed(current, current.capture_backward)
     except (GraphCaptureError, GraphStateError, RuntimeError) as exc:
         restore()
+        for owner, settings in zip(owners, settings_before):
+            owner.module_settings.write(settings)
         for s in sigs:
             for g in (s.fwd_graph, s.bwd_graph):
                 if g.is_captured:
