@@ -217,6 +217,18 @@ def test_mode_off_warns_and_trains_eager():
     assert _same_params(eager, graphed)
 
 
+def test_graphs_for_another_device_than_the_trainers_are_refused_and_auto_follows_the_trainer(
+        cuda_double, monkeypatch):
+    with pytest.raises(ngt.BackendUnavailableError, match=r"graph backend 'cuda' \(from NPUGRAPH_BACKEND=cuda\) "
+                                                           r"captures cuda tensors, but training runs on cpu: use "
+                                                           r"backend 'auto' or 'emulate'"):
+        fit(callbacks=[NPUGraphCallback()], max_steps=2)
+    monkeypatch.delenv("NPUGRAPH_BACKEND")  # auto: the CUDA double is usable, but the Trainer is on the CPU
+    callback = NPUGraphCallback(log_report=False)
+    fit(callbacks=[callback], max_steps=6)
+    assert "emulate" in callback.format_report() and callback.report()[0]["replays"] > 0
+
+
 class TestConfig:
     @pytest.mark.parametrize("kwargs, message", [
         ({"mode": "full"}, "mode='full' is not valid; choose one of: off, submodules, whole_step"),

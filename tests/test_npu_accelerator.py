@@ -36,8 +36,8 @@ QUIET = dict(logger=False, enable_checkpointing=False, enable_progress_bar=False
 def _restore_lightning(monkeypatch):
     """Registration changes Lightning process-wide; every test gets Lightning back as it found it."""
     saved = {id(r): (r, dict(r)) for r in (AcceleratorRegistry, StrategyRegistry)}
-    for name in ("_choose_strategy", "_check_and_init_precision"):
-        monkeypatch.setattr(_AcceleratorConnector, name, getattr(_AcceleratorConnector, name))
+    for name in ("_choose_strategy", "_check_and_init_precision", "_choose_auto_accelerator"):
+        monkeypatch.setattr(_AcceleratorConnector, name, _AcceleratorConnector.__dict__[name])
     yield
     for registry, content in saved.values():
         registry.clear()
@@ -227,6 +227,7 @@ def wrong_accelerator():
 
 cases = {
     "default": lambda: trainer_facts(accelerator="npu", devices=1),
+    "auto": lambda: trainer_facts(devices=1),
     "devices_list": lambda: trainer_facts(accelerator="npu", devices=[2]),
     "bf16": lambda: trainer_facts(accelerator="npu", devices=1, precision="bf16-mixed"),
     "fp16": lambda: trainer_facts(accelerator="npu", devices=1, precision="16-mixed"),
@@ -274,6 +275,12 @@ def test_trainer_npu_devices_1_lands_on_npu0(child):
     assert facts["root"] == "npu:0"
     assert facts["accelerator"] == "NPUAccelerator"
     assert facts["precision"] == "Precision"
+
+
+def test_trainer_with_the_default_accelerator_chooses_the_npu(child):
+    facts = _ok(child, "auto")
+    assert (facts["accelerator"], facts["strategy"], facts["root"]) == ("NPUAccelerator", "SingleNPUStrategy",
+                                                                         "npu:0")
 
 
 def test_trainer_npu_device_index_is_kept(child):

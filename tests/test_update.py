@@ -325,8 +325,14 @@ def test_lightning_module_provides_update_inputs(mode):
         assert torch.equal(a, b)
 
 
-def test_callback_refuses_updates_on_cuda(cuda_double):
+def test_callback_refuses_updates_on_cuda(cuda_double, monkeypatch):
+    from npugraph_train.callbacks import npu_graph
+    from npugraph_train.graphed import get_backend
+
     from .lightning_models import fit
+
+    # The double's "GPU" runs on the CPU, where the callback would otherwise refuse cuda graphs.
+    monkeypatch.setattr(npu_graph, "backend_for_device", lambda device, name: get_backend(name))
 
     with pytest.raises(MisconfigurationException, match="cuda backend does not have.*auto_dispatch_capture=False"):
         fit(callbacks=[NPUGraphCallback(auto_dispatch_capture=True)], max_steps=2)

@@ -192,11 +192,12 @@ class SingleNPUStrategy(SingleDeviceStrategy):
 
 
 def _patch_accelerator_connector() -> None:
-    """Make Lightning's automatic strategy and AMP choices NPU-aware (it only knows cuda/gpu/mps).
+    """Make Lightning's automatic accelerator, strategy and AMP choices NPU-aware (it only knows cuda/gpu/mps).
 
-    ``_AcceleratorConnector._choose_strategy`` gives any other accelerator ``SingleDeviceStrategy("cpu")``,
-    and ``_check_and_init_precision`` autocasts on "cuda" for every non-cpu/mps accelerator. Both are
-    private, so the wrappers only step in when the accelerator is an NPUAccelerator and otherwise defer to
+    ``_AcceleratorConnector._choose_auto_accelerator`` never picks the NPU (``Trainer()`` on an Ascend
+    machine would train on the CPU), ``_choose_strategy`` gives any other accelerator
+    ``SingleDeviceStrategy("cpu")``, and ``_check_and_init_precision`` autocasts on "cuda" for every
+    non-cpu/mps accelerator. All are private, so the wrappers only step in for the NPU and otherwise defer to
     Lightning unchanged. Written against Lightning 2.6; if the methods disappear we warn instead.
     """
     from lightning.pytorch.plugins import MixedPrecision
@@ -204,11 +205,13 @@ def _patch_accelerator_connector() -> None:
     from lightning.pytorch.trainer.connectors import accelerator_connector
 
     connector = accelerator_connector._AcceleratorConnector
-    choose, init_precision = (getattr(connector, n, None) for n in ("_choose_strategy", "_check_and_init_precision"))
-    if choose is None or init_precision is None:
-        rank_zero_warn("This Lightning version changed how it picks strategies, so Trainer(accelerator='npu') "
-                       "may not place the model on the NPU; pass strategy='npu_single' and "
-                       "plugins=MixedPrecision(..., device='npu') explicitly.")
+    choose, init_precision, choose_auto = (getattr(connector, n, None) for n in (
+        "_choose_strategy", "_check_and_init_precision", "_choose_auto_accelerator"))
+    if choose is None or init_precision is None or choose_auto is None:
+        rank_zero_warn("This Lightning version changed how it picks accelerators and strategies, so Trainer() may "
+                       "not choose the NPU nor Trainer(accelerator='npu') place the model on it; pass "
+                       "accelerator='npu', strategy='npu_single' and plugins=MixedPrecision(..., device='npu') "
+                       "explicitly.")
         return
     if getattr(choose, "_npugraph_npu", False):
         return  # already wrapped: registration is idempotent
@@ -234,10 +237,15 @@ def _patch_accelerator_connector() -> None:
             return MixedPrecision(self._precision_flag, device="npu")
         return init_precision(self)
 
-    for wrapper in (_choose_strategy, _check_and_init_precision):
+    @functools.wraps(choose_auto)
+    def _choose_auto_accelerator() -> str:
+        return "npu" if NPUAccelerator.is_available() else choose_auto()
+
+    for wrapper in (_choose_strategy, _check_and_init_precision, _choose_auto_accelerator):
         wrapper._npugraph_npu = True  # type: ignore[attr-defined]
     connector._choose_strategy = _choose_strategy
     connector._check_and_init_precision = _check_and_init_precision
+    connector._choose_auto_accelerator = staticmethod(_choose_auto_accelerator)
 
 
 def _register(registry: Dict[str, Any], name: str, cls: type, register: Callable[[Any], None]) -> None:

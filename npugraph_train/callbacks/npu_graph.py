@@ -36,7 +36,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 from ..config import NPUGraphConfig, unknown_settings_error
-from ..graphed import get_backend
+from ..graphed.backends import backend_for_device
 from ..optim import make_capturable, plain_scheduler_state
 from .report import NOT_CAPTURED, format_report
 from .step_setup import check_trainer
@@ -91,7 +91,7 @@ class NPUGraphCallback(Callback):
                 f"NPUGraphCallback(mode={self.config.mode!r}) cannot capture with Trainer(detect_anomaly=True): "
                 "anomaly checks read every backward output on the host; set detect_anomaly=False (debug eager "
                 "with mode='off')")
-        backend = get_backend(self.config.backend)
+        backend = backend_for_device(trainer.strategy.root_device.type, self.config.backend)
         if self.config.auto_dispatch_capture and not backend.supports_update:
             raise MisconfigurationException(
                 f"NPUGraphCallback(auto_dispatch_capture=True) needs graph updates, which the {backend.name} "

@@ -81,6 +81,29 @@ def get_backend(name: Union[str, Backend, None] = None) -> Backend:
     return _instances[name]
 
 
+# The backend whose graphs capture each device's tensors.
+_DEVICE_BACKENDS = {"npu": "npu", "cuda": "cuda", "cpu": "emulate"}
+
+
+def backend_for_device(device_type: str, name: Optional[str] = None) -> Backend:
+    """The backend that captures tensors on ``device_type`` (where a Trainer trains).
+
+    The one named (or chosen by ``set_backend`` / ``NPUGRAPH_BACKEND``), which must capture that device's
+    tensors; with ``auto``, the device's own (``emulate`` for the CPU).
+    """
+    requested, source = (name, "argument") if name not in (None, "auto") else _requested()
+    if requested == "auto":
+        requested = _DEVICE_BACKENDS.get(device_type, "auto")
+    backend = get_backend(requested)
+    if backend.device_type != device_type:
+        fits = _DEVICE_BACKENDS.get(device_type)
+        raise BackendUnavailableError(
+            f"graph backend {backend.name!r} (from {source}) captures {backend.device_type} tensors, but training "
+            f"runs on {device_type}: use backend 'auto'{f' or {fits!r}' if fits else ''}, or train on the "
+            f"{backend.device_type} device (Trainer(accelerator={backend.device_type!r}))")
+    return backend
+
+
 def _auto() -> str:
     global _warned_fallback
     npu_reason = NPUBackend.probe()
@@ -98,5 +121,5 @@ def current_backend() -> str:
     return get_backend().name
 
 
-__all__ = ["Backend", "BACKENDS", "CAPTURE_ERROR_MODES", "ENV_VAR", "available_backends", "current_backend",
-           "get_backend", "set_backend"]
+__all__ = ["Backend", "BACKENDS", "CAPTURE_ERROR_MODES", "ENV_VAR", "available_backends", "backend_for_device",
+           "current_backend", "get_backend", "set_backend"]
