@@ -20,7 +20,7 @@ import platform
 import shlex
 import sys
 from pathlib import Path
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Optional
 
 if __package__ in (None, ""):
     # Run as a script: import the suite and npugraph_train from this source tree (no install needed).
@@ -90,15 +90,22 @@ def parse_args(argv: List[str]) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def _ints(text: str) -> List[int]:
-    return [int(v) for v in text.split(",") if v.strip()]
+def _ints(text: str, option: str, most: Optional[int] = None) -> List[int]:
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        values = []
+    if not values or min(values) < 1 or (most is not None and max(values) > most):
+        bound = f" up to {most}" if most is not None else ""
+        sys.exit(f"error: {option} takes a comma list of whole numbers from 1{bound}, got {text!r}")
+    return values
 
 
 def _names(text: str, valid: List[str], what: str) -> List[str]:
     names = [v.strip() for v in text.split(",") if v.strip()]
     bad = [n for n in names if n not in valid]
-    if bad:
-        sys.exit(f"error: unknown {what} {', '.join(bad)}; choose from {', '.join(valid)}")
+    if bad or not names:
+        sys.exit(f"error: unknown {what} {', '.join(bad) or repr(text)}; choose from {', '.join(valid)}")
     return names
 
 
@@ -134,6 +141,8 @@ def metadata(args: argparse.Namespace, device: Device, size: str, plan: StepPlan
 
 def main(argv: List[str]) -> None:
     args = parse_args(argv)
+    if args.repeats < 1:
+        sys.exit(f"error: --repeats must be at least 1, got {args.repeats}")
     models = _names(args.models, MODELS, "model")
     columns = _names(args.columns, ALL_COLUMNS, "column") if args.columns else \
         [c for c in ALL_COLUMNS if c != "compile" or args.compile]
@@ -204,10 +213,15 @@ def main(argv: List[str]) -> None:
 def run_sweep(args: argparse.Namespace, device: Device, plan: StepPlan, size: str, specs: Dict[str, Any],
               meta: Dict[str, Any]) -> None:
     spec = specs["mlp"]
-    batches = _ints(args.sweep_batches) if args.sweep_batches else SWEEP_BATCHES[size]
-    counts = _ints(args.sweep_modules) if args.sweep_modules else SWEEP_MODULES
+    batches = _ints(args.sweep_batches, "--sweep-batches") if args.sweep_batches else SWEEP_BATCHES[size]
+    counts = (_ints(args.sweep_modules, "--sweep-modules", most=spec.depth) if args.sweep_modules
+              else [k for k in SWEEP_MODULES if k <= spec.depth])
     print(f"\n== sweep 1: step time vs batch size, mlp ({spec.depth} x width {spec.width})", flush=True)
-    b_rows = batch_sweep(spec, batches, device, plan, log=lambda s: print(s, flush=True))
+    sweep: Dict[str, Any] = {"model": vars(spec), "batch": [], "stops_paying_at_batch": None, "modules": None}
+    # Written after every batch size: a run stopped by a time limit keeps what it measured.
+    b_rows = batch_sweep(spec, batches, device, plan, log=lambda s: print(s, flush=True),
+                         on_row=lambda rows: write_json(args.json, {"meta": meta, "sweep": {**sweep, "batch": rows}},
+                                                        announce=False))
     print()
     print(batch_table(b_rows))
     limit = None if device.is_emulator else stops_paying(b_rows)
@@ -216,7 +230,7 @@ def run_sweep(args: argparse.Namespace, device: Device, plan: StepPlan, size: st
     else:
         print(f"capture stops paying (< 1.05x) from batch {limit} on" if limit is not None
               else "capture pays (>= 1.05x) at every batch size measured")
-    sweep: Dict[str, Any] = {"model": vars(spec), "batch": b_rows, "stops_paying_at_batch": limit, "modules": None}
+    sweep.update(batch=b_rows, stops_paying_at_batch=limit)
     write_json(args.json, {"meta": meta, "sweep": sweep}, announce=False)
     print(f"\n== sweep 2: capture cost vs number of graphed modules, mlp ({spec.describe()})", flush=True)
     m_rows = module_sweep(spec, counts, device, plan, log=lambda s: print(s, flush=True))

@@ -30,7 +30,7 @@ def _safe(fn: Any, *args: Any, **kwargs: Any) -> RunResult:
 
 
 def batch_sweep(base: ModelSpec, batch_sizes: List[int], device: Device, plan: StepPlan,
-                log: Any = print) -> List[Dict[str, Any]]:
+                log: Any = print, on_row: Any = None) -> List[Dict[str, Any]]:
     rows = []
     for b in batch_sizes:
         spec = base.with_batch(b)
@@ -48,6 +48,8 @@ def batch_sweep(base: ModelSpec, batch_sizes: List[int], device: Device, plan: S
             if col != "eager":
                 row[f"{col}_speedup"] = eager_us / r.us if eager_us and r.us else None
         rows.append(row)
+        if on_row is not None:
+            on_row(rows)
     return rows
 
 
@@ -69,8 +71,6 @@ def module_sweep(spec: ModelSpec, counts: List[int], device: Device, plan: StepP
     log(f"  sweep modules eager {eager.status} {fmt_us(eager.us)} µs/step")
     rows = [_module_row("0 (eager)", eager, eager)]
     for k in counts:
-        if k > len(names):
-            continue
         r = _safe(run_lightning, "submodules", spec, batches, device, plan, modules=names[:k])
         log(f"  sweep modules {k:>3} graphed {r.status} {fmt_us(r.us)} µs/step")
         rows.append(_module_row(k, r, eager))

@@ -29,7 +29,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 from torch.utils.data import DataLoader, TensorDataset
 
 import npugraph_train as ngt
@@ -209,14 +209,37 @@ def final_loss(trainer: pl.Trainer) -> str:
     return f"{loss.item():.4f}" if loss is not None else "n/a"
 
 
+# The settings this script reads besides the model's, and those that count something.
+SETTINGS = {"data": ("seq", "batch_size", "num_samples", "val_samples"),
+            "trainer": ("seed", "max_steps", "precision", "val_check_interval", "deterministic")}
+COUNTS = ("model.in_features", "model.width", "model.depth", "model.heads", "model.mlp_ratio", "model.num_classes",
+          "data.seq", "data.batch_size", "data.num_samples", "data.val_samples")
+PRECISIONS = ("32-true", "bf16-mixed", "16-mixed", "bf16-true", "16-true", "64-true")
+
+
+def check_settings(cfg: DictConfig) -> None:
+    """Refuse, in one line, settings this script would not use or that would fail deep inside a fit."""
+    model = [name for name in inspect.signature(TinyTransformer).parameters if name not in _SET_BY_SCRIPT]
+    for section, valid in (("model", model), *SETTINGS.items()):
+        unknown = [key for key in cfg[section] if key not in valid]
+        if unknown:
+            raise MisconfigurationException(f"unknown {section} settings "
+                                            f"{', '.join(f'{section}.{k}' for k in unknown)}; valid: {', '.join(valid)}")
+    for key in COUNTS:
+        value = OmegaConf.select(cfg, key)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise MisconfigurationException(f"{key}={value!r} must be a whole number of at least 1")
+    if not 0 <= cfg.model.dropout < 1:
+        raise MisconfigurationException(f"model.dropout={cfg.model.dropout!r} must be in [0, 1)")
+    if str(cfg.trainer.precision) not in PRECISIONS:
+        raise MisconfigurationException(f"trainer.precision={cfg.trainer.precision!r}: choose one of "
+                                        f"{', '.join(PRECISIONS)}")
+
+
 def run(cfg: DictConfig) -> None:
-    # Validate the graph switches (and make the callback) and the model's settings before anything trains.
+    # Validate the graph switches (and make the callback) and the other settings before anything trains.
     callback = ngt.NPUGraphCallback.from_config(cfg.graph)
-    settings = [name for name in inspect.signature(TinyTransformer).parameters if name not in _SET_BY_SCRIPT]
-    unknown = [key for key in cfg.model if key not in settings]
-    if unknown:
-        raise MisconfigurationException(f"unknown model settings {', '.join(f'model.{k}' for k in unknown)}; valid: "
-                                        f"{', '.join(settings)}")
+    check_settings(cfg)
     backend = get_backend(cfg.graph.backend)
     print(f"backend: {backend.name}; device: {describe_device(backend)}; "
           f"Lightning accelerator: {ACCELERATORS[backend.name]}")

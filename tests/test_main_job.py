@@ -62,6 +62,9 @@ def test_mode_off_runs_one_eager_fit(tmp_path):
     ("graph.warmup_steps=0", "expected an integer >= 1"),
     ("+graph.nope=1", "unknown settings 'nope'; valid settings: mode, warmup_steps"),
     ("+model.nope=1", "unknown model settings model.nope; valid: in_features, width"),
+    ("+trainer.nope=1", "unknown trainer settings trainer.nope; valid: seed, max_steps"),
+    ("model.heads=0", "model.heads=0 must be a whole number of at least 1"),
+    ("trainer.precision=bogus", "trainer.precision='bogus': choose one of 32-true"),
 ])
 def test_config_errors_are_one_line(tmp_path, override, expected):
     result = run_job(tmp_path, override)
