@@ -39,7 +39,7 @@ stage() {  # stage NAME LIMIT_S COMMAND...: run with a time limit, log to OUT_DI
   local t0=$SECONDS rc
   timeout --signal=INT --kill-after=15 "$limit" "$@" 2>&1 | tee "$out/$name.log"
   rc=${PIPESTATUS[0]}
-  echo "== $name: exit $rc after $((SECONDS - t0))s$([[ $rc -eq 124 ]] && echo ' (time limit)')"
+  echo "== $name: exit $rc after $((SECONDS - t0))s$([[ $rc -eq 124 || $rc -eq 137 ]] && echo ' (time limit)')"
   [[ $rc -eq 0 ]] || status=1
 }
 
