@@ -986,6 +986,36 @@ class TestModuleState:
         assert model.calls == 0 and model.initialised is False, "warmup leaves no trace"
         ng.make_graphed_callables(Ramp(counts=False), (torch.randn(3, 4),))  # a flag set once is not state
 
+    def test_host_values_a_forward_writes_follow_each_signatures_replay(self):
+        class Rotary(nn.Module):  # a cache grown inside the forward, with the length it holds (HF style)
+            def __init__(self):
+                super().__init__()
+                self.lin = nn.Linear(4, 4)
+                self.grow(4)
+
+            def grow(self, n):
+                self.cached = n
+                angles = torch.outer(torch.arange(n).float(), torch.ones(4))
+                self.register_buffer("cos", angles.cos(), persistent=False)
+
+            def forward(self, x):
+                if x.shape[1] > self.cached:
+                    self.grow(x.shape[1])
+                self.last_len = x.shape[1]
+                return self.lin(x) * self.cos[:x.shape[1]]
+
+        torch.manual_seed(0)
+        eager = Rotary()
+        graphed = copy.deepcopy(eager)
+        ng.make_graphed_callables(graphed, (torch.randn(2, 6, 4),), max_signatures=3)
+        for n in (6, 12, 16, 12):
+            x = torch.randn(2, n, 4)
+            assert torch.equal(graphed(x), eager(x))
+            assert graphed.last_len == n and graphed.cached == graphed.cos.shape[0], "as its replay left them"
+        with torch.no_grad():  # an eager call after replaying the length-12 graph: the cache grows again
+            x = torch.randn(2, 14, 4)
+            assert torch.equal(graphed.eval()(x), eager.eval()(x))
+
     def test_sparse_gradients_are_refused(self):
         with pytest.raises(ng.GraphCaptureError, match=r"Embedding makes sparse gradients \(sparse=True\).*use sparse"):
             ng.make_graphed_callables(nn.Embedding(10, 4, sparse=True), (torch.zeros(3, dtype=torch.long),),

@@ -50,7 +50,7 @@ from .captured import CapturedSignature, SignatureStats, batch_ids, capture_sign
 from .errors import GraphCaptureError, GraphStateError
 from .signatures import (Signature, describe_signature, difference_hint, flatten_call, is_constant, serves, signature,
                          static_copies, within)
-from .state_attributes import SCALAR_TYPES, recomputed_by_hooks
+from .state_attributes import SCALAR_TYPES, recomputed_by_hooks, scalar_changed
 from .user_code import warn_at_user_code
 
 # A module's hook dicts; hooks inside a graphed module would run once, at capture.
@@ -99,16 +99,11 @@ class ModuleSettings:
         except RuntimeError:  # a tensor stored where a setting was (comparing it gives no bool)
             return True
 
-    @staticmethod
-    def _changed(old: Any, new: Any) -> bool:
-        # By type first: a tensor stored where a setting was compares to no bool.
-        return old is not new and (type(old) is not type(new) or old != new)
-
     def change(self, before: tuple, now: tuple) -> str:
         if len(before) != len(now):
             return "submodule settings were deleted"
         for name, old, new in zip(self._names, before, now):
-            if self._changed(old, new):
+            if scalar_changed(old, new):
                 return f"{name} changed from {old!r} to {new!r}"
         return "submodule settings changed"
 
@@ -117,7 +112,7 @@ class ModuleSettings:
         scalar attribute, such as a length it saw) taken over: they are the forward's, not the user's."""
         if not (len(baseline) == len(before) == len(after)):
             return baseline
-        return tuple(a if self._changed(b, a) else kept for kept, b, a in zip(baseline, before, after))
+        return tuple(a if scalar_changed(b, a) else kept for kept, b, a in zip(baseline, before, after))
 
 
 class GraphedCallable:
@@ -270,7 +265,10 @@ class GraphedCallable:
         self.stats[key].replays += 1
         needs_grad = torch.is_grad_enabled() and (any(flags) or any(
             isinstance(t, torch.Tensor) and t.requires_grad for t in flat))
-        return sig(flat, needs_grad)
+        out = sig(flat, needs_grad)
+        if sig.attributes is not None and sig.attributes.written_scalars:  # set as the forward would: not settings
+            self.settings = self.module_settings.adopt(self.settings, settings, self.module_settings.read())
+        return out
 
     def update(self, cpu_update_input: Union[List[Dict[str, Any]], Dict[str, List[Dict[str, Any]]]]) -> None:
         """New host arguments for the updatable ops of the next call's forward and backward graphs.

@@ -412,7 +412,8 @@ def capture_signatures(sigs: Sequence[CapturedSignature], key_of: Dict[int, Sign
                     timed(current, current.capture_forward)
             for current in sigs:
                 kept = attributes.get(id(current.owner))
-                carried = kept.carried(list(current.static_outputs), current.static_inputs) if kept is not None else []
+                carried = kept.carried(list(current.static_outputs), current.static_inputs,
+                                       before_warmup[modules.index(current.owner.func)]) if kept is not None else []
                 if carried:
                     raise GraphCaptureError(carried_state_message(
                         f"{current.owner.name}: its forward", "call", carried, "Update such state in place "
@@ -420,7 +421,7 @@ def capture_signatures(sigs: Sequence[CapturedSignature], key_of: Dict[int, Sign
                 if kept is not None:
                     kept.guard_written_with_grad(
                         lambda t, name, owner=current.owner.name: _NoBackward.apply(t, name, owner))
-                current.attributes = kept if kept is not None and kept.written else None
+                current.attributes = kept if kept is not None and (kept.written or kept.written_scalars) else None
             for current in reversed(sigs):
                 timed(current, current.capture_backward)
     except (GraphCaptureError, GraphStateError, RuntimeError) as exc:
