@@ -26,10 +26,11 @@ the class name and an alternative.
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib
 import struct
 import weakref
-from typing import Any, Dict, Iterator, List, Optional, Type
+from typing import Any, Dict, Iterator, List, Optional, SupportsIndex, Type
 
 import torch
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
@@ -50,6 +51,11 @@ def _params(optimizer: Optimizer) -> List[torch.Tensor]:
     return [p for group in optimizer.param_groups for p in group["params"]]
 
 
+@functools.lru_cache(maxsize=None)
+def _step_modules() -> List[Any]:
+    return [importlib.import_module(f"torch.optim.{name}") for name in _STEP_MODULES]
+
+
 @contextlib.contextmanager
 def _step_environment(accept_cpu: bool, scalar_dtype: torch.dtype) -> Iterator[None]:
     """Let torch's capturable code paths run on CPU tensors (the emulator's device), and make new step counts
@@ -59,7 +65,7 @@ def _step_environment(accept_cpu: bool, scalar_dtype: torch.dtype) -> Iterator[N
     if not accept_cpu and scalar_dtype == torch.float32:
         yield
         return
-    modules = [importlib.import_module(f"torch.optim.{name}") for name in _STEP_MODULES]
+    modules = _step_modules()
     originals = [(m._get_capturable_supported_devices, m._get_scalar_dtype) for m in modules]
 
     def with_cpu(original: Any) -> Any:
@@ -97,7 +103,7 @@ class CapturableOptimizer:
         self._plain_settings.append(_plain_settings(self.param_groups[-1]))  # type: ignore[attr-defined]
         make_capturable(self)
 
-    def __reduce_ex__(self, protocol: int) -> Any:
+    def __reduce_ex__(self, protocol: SupportsIndex) -> Any:
         # The class is made at run time, one per torch class, so pickle cannot find it by name: rebuild it
         # from the torch class it converts.
         state = {**super().__getstate__(), "_plain_settings": self._plain_settings}  # type: ignore[misc]
