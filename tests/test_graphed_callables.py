@@ -960,6 +960,22 @@ class TestModuleState:
             out.pow(2).sum().backward()
         assert torch.equal(linear.weight.grad, eager_linear.weight.grad)
 
+        class WithEmpty(nn.Module):  # a frozen BatchNorm saves empty tensors, as empty as the second output
+            def __init__(self):
+                super().__init__()
+                self.lin, self.bn = nn.Linear(4, 4), nn.BatchNorm1d(4).eval()
+
+            def forward(self, x):
+                h = self.bn(self.lin(x))
+                return h, x.new_zeros(0) + h.sum() * 0
+
+        model = WithEmpty()
+        ng.make_graphed_callables(model, (torch.zeros(3, 4, requires_grad=True),))
+        model.bn.eval()
+        h, empty = model(torch.randn(3, 4, requires_grad=True))
+        empty.add_(1)
+        h.sum().backward()
+
     @pytest.mark.parametrize("requires_grad", [False, True])
     def test_forwards_that_write_their_input_in_place_are_refused(self, requires_grad):
         block = nn.Sequential(nn.ReLU(inplace=True), nn.Linear(4, 4))
@@ -1007,14 +1023,18 @@ class TestModuleState:
         torch.manual_seed(0)
         eager = Rotary()
         graphed = copy.deepcopy(eager)
-        ng.make_graphed_callables(graphed, (torch.randn(2, 6, 4),), max_signatures=3)
+        ng.make_graphed_callables(graphed, (torch.randn(2, 6, 4),), max_signatures=4)
         for n in (6, 12, 16, 12):
             x = torch.randn(2, n, 4)
             assert torch.equal(graphed(x), eager(x))
             assert graphed.last_len == n and graphed.cached == graphed.cos.shape[0], "as its replay left them"
         with torch.no_grad():  # an eager call after replaying the length-12 graph: the cache grows again
-            x = torch.randn(2, 14, 4)
+            x = torch.randn(2, 20, 4)
             assert torch.equal(graphed.eval()(x), eager.eval()(x))
+        graphed.train(), eager.train()
+        for n in (20, 6, 20):  # 20: captured after the eager call had written the same values already
+            x = torch.randn(2, n, 4)
+            assert torch.equal(graphed(x), eager(x)) and graphed.last_len == n
 
     def test_sparse_gradients_are_refused(self):
         with pytest.raises(ng.GraphCaptureError, match=r"Embedding makes sparse gradients \(sparse=True\).*use sparse"):

@@ -50,7 +50,7 @@ from .captured import CapturedSignature, SignatureStats, batch_ids, capture_sign
 from .errors import GraphCaptureError, GraphStateError
 from .signatures import (Signature, describe_signature, difference_hint, flatten_call, is_constant, serves, signature,
                          static_copies, within)
-from .state_attributes import SCALAR_TYPES, recomputed_by_hooks, scalar_changed
+from .state_attributes import MODULE_INTERNALS, SCALAR_TYPES, recomputed_by_hooks, scalar_changed
 from .user_code import warn_at_user_code
 
 # A module's hook dicts; hooks inside a graphed module would run once, at capture.
@@ -60,8 +60,6 @@ _MODE_DIFFERS = "train/eval mode differs from capture (validation and test run e
 
 
 _requires_grad = operator.attrgetter("requires_grad")
-# nn.Module's own bookkeeping (hook flags and the like), which is not a setting of the forward.
-_MODULE_INTERNALS = frozenset(nn.Module().__dict__) - {"training"}
 
 
 class ModuleSettings:
@@ -76,7 +74,7 @@ class ModuleSettings:
     def _find(self) -> None:
         slots = [(f"{path + '.' if path else ''}{key}", m.__dict__, key)
                  for path, m in (self.module.named_modules() if self.module is not None else ())
-                 for key, value in m.__dict__.items() if type(value) in SCALAR_TYPES and key not in _MODULE_INTERNALS]
+                 for key, value in m.__dict__.items() if type(value) in SCALAR_TYPES and key not in MODULE_INTERNALS]
         self._names, self._dicts, self._keys = (list(z) for z in zip(*slots)) if slots else ([], [], [])
 
     def read(self) -> tuple:
@@ -266,7 +264,7 @@ class GraphedCallable:
         needs_grad = torch.is_grad_enabled() and (any(flags) or any(
             isinstance(t, torch.Tensor) and t.requires_grad for t in flat))
         out = sig(flat, needs_grad)
-        if sig.attributes is not None and sig.attributes.written_scalars:  # set as the forward would: not settings
+        if sig.written_scalars:  # set by the replay as the forward would: not the user's settings
             self.settings = self.module_settings.adopt(self.settings, settings, self.module_settings.read())
         return out
 

@@ -6,19 +6,23 @@ captures, and undoes what warmup changed (RNG, buffers, tensor attributes).
 """
 from __future__ import annotations
 
+import contextlib
 import itertools
 import time
 import weakref
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
+from typing import TYPE_CHECKING, Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
 import torch
+import torch.nn as nn
+from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from .errors import GraphCaptureError, GraphStateError
 from .graphs import Graph, graph
 from .signatures import Signature, describe_signature, unique_tensors
-from .state_attributes import StateAttributes, StorageReads, carried_state_message, tensors_in
+from .state_attributes import (MODULE_INTERNALS, SCALAR_TYPES, StateAttributes, StorageReads, carried_state_message,
+                               tensors_in)
 
 if TYPE_CHECKING:
     from .callables import GraphedCallable
@@ -100,6 +104,7 @@ class CapturedSignature:
         self.bwd_graph = Graph(owner.backend)
         self.static_outputs: Tuple[torch.Tensor, ...] = ()
         self.outputs_read_by_backward: Tuple[torch.Tensor, ...] = ()
+        self.written_scalars: List[Tuple[nn.Module, str, Any]] = []  # (module, name, value at capture)
         self.output_spec: Any = None
         self.none_outputs: Tuple[int, ...] = ()  # positions of None among the flat outputs
         self.replays = 0  # forward replays: a backward must follow the replay whose activations it reads
@@ -123,7 +128,7 @@ class CapturedSignature:
                 outputs = [o for o in tree_flatten(self.owner.call_original(*args, **kwargs))[0]
                            if isinstance(o, torch.Tensor) and o.requires_grad]
             except RuntimeError as exc:
-                if "leaf Variable that requires grad" not in str(exc):
+                if "leaf Variable that requires grad" not in str(exc) or not self._writes_inputs():
                     raise
                 raise self._writes_inputs_error() from exc
             settings = self.owner.module_settings.read()
@@ -151,6 +156,18 @@ class CapturedSignature:
                         f"{self.owner.name}: {self._label(unused)} require grad but do not reach its outputs "
                         "(unused in this call); pass allow_unused_input=True (@graph_safe(allow_unused_input=True) "
                         "for the callback), or freeze them (requires_grad_(False))")
+
+    def _writes_inputs(self) -> bool:
+        """Whether the forward writes an argument in place, found on copies that are no leaves (the static inputs
+        that require grad are, so torch refuses such a write with an error that names no tensor)."""
+        copies = [t.clone() if isinstance(t, torch.Tensor) and t.requires_grad else t for t in self.leaves]
+        versions = [t._version for t in copies if isinstance(t, torch.Tensor)]
+        args, kwargs = tree_unflatten(copies, self.spec)
+        try:
+            self.owner.call_original(*args, **kwargs)
+        except RuntimeError:
+            return False
+        return [t._version for t in copies if isinstance(t, torch.Tensor)] != versions
 
     def _writes_inputs_error(self) -> GraphCaptureError:
         # A replay writes the graph's copy of the input, never the caller's tensor, which eager would change.
@@ -193,16 +210,21 @@ class CapturedSignature:
 
     def capture_forward(self) -> None:
         args, kwargs = tree_unflatten(self.leaves, self.spec)
-        saved: set = set()
+        saved: Dict[int, StorageWeakRef] = {}
 
         def pack(t: torch.Tensor) -> torch.Tensor:
-            saved.add(_storage_key(t))
+            if t.numel() and _storage_key(t) is not None:  # empty tensors all have address 0
+                saved[_storage_key(t)] = StorageWeakRef(t.untyped_storage())
             return t
 
         with graph(self.fwd_graph, pool=self.pool, capture_error_mode=self.owner.capture_error_mode,
                    auto_dispatch_capture=self.owner.auto_dispatch_capture), \
-                torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), _assignments() as assigned:
             outputs = self.owner.call_original(*args, **kwargs)
+        # Host values the forward set (self.last_len = n, a grown cache's length): a replay sets them again, as
+        # the forward would, so that they match the tensors this signature's replay binds.
+        self.written_scalars = [(m, name, m.__dict__[name]) for m, name in dict.fromkeys(assigned)
+                                if type(m.__dict__.get(name)) in SCALAR_TYPES and name not in MODULE_INTERNALS]
         flat, self.output_spec = tree_flatten(outputs)
         bad = [type(o).__name__ for o in flat if not isinstance(o, torch.Tensor) and o is not None]
         if bad:
@@ -212,7 +234,9 @@ class CapturedSignature:
         self.static_outputs = tuple(o for o in flat if o is not None)
         # Outputs the backward graph reads (a sigmoid's, say): an in-place edit of one before the backward
         # changes the gradients, which eager autograd refuses through version counters; so is it here.
-        self.outputs_read_by_backward = tuple(o for o in self.static_outputs if _storage_key(o) in saved)
+        # Only storages still alive: on a device, a freed one's memory may be reused by an output.
+        live = {key for key, ref in saved.items() if not ref.expired()}
+        self.outputs_read_by_backward = tuple(o for o in self.static_outputs if o.numel() and _storage_key(o) in live)
 
     def capture_backward(self) -> None:
         self.static_grad_outputs = tuple(torch.empty_like(o) if o.requires_grad else None
@@ -234,6 +258,8 @@ class CapturedSignature:
     def replay_forward(self, inputs: Sequence[torch.Tensor]) -> None:
         if self.attributes is not None:  # an eager call (validation) may have bound them to its own tensors
             self.attributes.rebind_written()
+        for module, name, value in self.written_scalars:
+            module.__dict__[name] = value
         for static, new in zip(self.static_inputs, inputs):
             if static.data_ptr() != new.data_ptr():
                 static.copy_(new)
@@ -339,6 +365,23 @@ class CapturedSignature:
         return tree_unflatten(out, self.output_spec)
 
 
+@contextlib.contextmanager
+def _assignments() -> Iterator[List[Tuple[nn.Module, str]]]:
+    """The (module, name) of every attribute assigned to a module in the block (nn.Module.__setattr__)."""
+    assigned: List[Tuple[nn.Module, str]] = []
+    original = nn.Module.__setattr__
+
+    def recording(module: nn.Module, name: str, value: Any) -> None:
+        original(module, name, value)
+        assigned.append((module, name))
+
+    nn.Module.__setattr__ = recording  # type: ignore[method-assign]
+    try:
+        yield assigned
+    finally:
+        nn.Module.__setattr__ = original  # type: ignore[method-assign]
+
+
 def _storage_key(t: torch.Tensor) -> Any:
     try:
         return t.untyped_storage().data_ptr()
@@ -412,8 +455,7 @@ def capture_signatures(sigs: Sequence[CapturedSignature], key_of: Dict[int, Sign
                     timed(current, current.capture_forward)
             for current in sigs:
                 kept = attributes.get(id(current.owner))
-                carried = kept.carried(list(current.static_outputs), current.static_inputs,
-                                       before_warmup[modules.index(current.owner.func)]) if kept is not None else []
+                carried = kept.carried(list(current.static_outputs), current.static_inputs) if kept is not None else []
                 if carried:
                     raise GraphCaptureError(carried_state_message(
                         f"{current.owner.name}: its forward", "call", carried, "Update such state in place "
@@ -421,7 +463,7 @@ def capture_signatures(sigs: Sequence[CapturedSignature], key_of: Dict[int, Sign
                 if kept is not None:
                     kept.guard_written_with_grad(
                         lambda t, name, owner=current.owner.name: _NoBackward.apply(t, name, owner))
-                current.attributes = kept if kept is not None and (kept.written or kept.written_scalars) else None
+                current.attributes = kept if kept is not None and kept.written else None
             for current in reversed(sigs):
                 timed(current, current.capture_backward)
     except (GraphCaptureError, GraphStateError, RuntimeError) as exc:

@@ -100,8 +100,8 @@ def carried_state_message(who: str, unit: str, names: List[str], fixes: str) -> 
             f"nothing. {fixes} The attributes are left as before the capture")
 
 
-# nn.Module's own bookkeeping (hook flags and the like), not values of a forward.
-_MODULE_INTERNALS = frozenset(torch.nn.Module().__dict__)
+# nn.Module's own bookkeeping (hook flags and the like): neither settings nor values of a forward.
+MODULE_INTERNALS = frozenset(torch.nn.Module().__dict__) - {"training"}
 
 
 def scalar_changed(before: Any, now: Any) -> bool:
@@ -151,7 +151,6 @@ class StateAttributes:
         owners += [(f"{path + '.' if path else ''}{attr}", value) for path, module in list(owners)
                    for attr, value in vars(module).items()
                    if not isinstance(value, torch.nn.Module) and _accepted(holders, value)]
-        self._modules = [module for _, module in owners if isinstance(module, torch.nn.Module)]
         for path, module in owners:
             is_module = isinstance(module, torch.nn.Module)
             skip = recomputed_by_hooks(module) if is_module and module._forward_pre_hooks else ()
@@ -170,17 +169,13 @@ class StateAttributes:
         # Written-only attributes, as the capture left them: bound again before every replay.
         # (module path, module, "_buffers" or "__dict__", attribute, value, its snapshot)
         self.written: List[Tuple[str, torch.nn.Module, str, str, Any, _Snapshot]] = []
-        self.written_scalars: List[Tuple[torch.nn.Module, str, Any]] = []
 
-    def carried(self, escaped: List[torch.Tensor], inputs: Sequence[torch.Tensor] = (),
-                since: Optional["StateAttributes"] = None) -> List[str]:
+    def carried(self, escaped: List[torch.Tensor], inputs: Sequence[torch.Tensor] = ()) -> List[str]:
         """After capture: put back and name the attributes the step carried state in; note the others.
 
         ``escaped``: the tensors the step logged or returned; an old value among them is read on the host
         after each step (``self.log("prev", self.prev); self.prev = loss``), which a replay would not refresh.
         ``inputs``: the capture's static inputs (``self.last_x = x.detach()`` only writes).
-        ``since``: taken before the eager warmup calls of a graphed callable: the host values its forward wrote
-        since are set again on each replay (not for a whole step, whose host values include Lightning's).
         """
         own = self._own = self._own | {_storage(t) for t in inputs}
         carried = []
@@ -210,16 +205,6 @@ class StateAttributes:
                 _refill(value, snapshot)
             else:
                 self.written.append((path, module, where, attr, now, _snapshot(now)))
-        # Host values the step wrote (a cache's length beside the cache, self.last_len = x.shape[1]): set
-        # again with the written tensors on each replay, as the step would.
-        if since is None:
-            return carried
-        before = {(id(module), attr): value for module, attr, value in since._scalars}
-        self.written_scalars = [(module, attr, value) for module in self._modules
-                                for attr, value in module.__dict__.items()
-                                if type(value) in SCALAR_TYPES and attr not in _MODULE_INTERNALS
-                                and ((id(module), attr) not in before
-                                     or scalar_changed(before[(id(module), attr)], value))]
         return carried
 
     def guard_written_with_grad(self, guard: Callable[[torch.Tensor, str], torch.Tensor]) -> None:
@@ -249,10 +234,7 @@ class StateAttributes:
                 module.__dict__[attr] = value
 
     def rebind_written(self) -> None:
-        """Bind written-only attributes to the graph's tensors again (an eager step may have rebound them), and
-        set the host values the step wrote to those it wrote at capture."""
+        """Bind written-only attributes to the graph's tensors again (an eager step may have rebound them)."""
         for _, module, where, attr, value, snapshot in self.written:
             getattr(module, where)[attr] = value
             _refill(value, snapshot)
-        for module, attr, value in self.written_scalars:
-            module.__dict__[attr] = value
