@@ -144,7 +144,7 @@ def main(argv: List[str]) -> None:
     if args.repeats < 1:
         sys.exit(f"error: --repeats must be at least 1, got {args.repeats}")
     models = _names(args.models, MODELS, "model")
-    columns = _names(args.columns, ALL_COLUMNS, "column") if args.columns else \
+    columns = _names(args.columns, ALL_COLUMNS, "column") if args.columns is not None else \
         [c for c in ALL_COLUMNS if c != "compile" or args.compile]
     quiet_lightning()
     try:
@@ -213,8 +213,8 @@ def main(argv: List[str]) -> None:
 def run_sweep(args: argparse.Namespace, device: Device, plan: StepPlan, size: str, specs: Dict[str, Any],
               meta: Dict[str, Any]) -> None:
     spec = specs["mlp"]
-    batches = _ints(args.sweep_batches, "--sweep-batches") if args.sweep_batches else SWEEP_BATCHES[size]
-    counts = (_ints(args.sweep_modules, "--sweep-modules", most=spec.depth) if args.sweep_modules
+    batches = _ints(args.sweep_batches, "--sweep-batches") if args.sweep_batches is not None else SWEEP_BATCHES[size]
+    counts = (_ints(args.sweep_modules, "--sweep-modules", most=spec.depth) if args.sweep_modules is not None
               else [k for k in SWEEP_MODULES if k <= spec.depth])
     print(f"\n== sweep 1: step time vs batch size, mlp ({spec.depth} x width {spec.width})", flush=True)
     sweep: Dict[str, Any] = {"model": vars(spec), "batch": [], "stops_paying_at_batch": None, "modules": None}

@@ -213,7 +213,8 @@ def final_loss(trainer: pl.Trainer) -> str:
 SETTINGS = {"data": ("seq", "batch_size", "num_samples", "val_samples"),
             "trainer": ("seed", "max_steps", "precision", "val_check_interval", "deterministic")}
 COUNTS = ("model.in_features", "model.width", "model.depth", "model.heads", "model.mlp_ratio", "model.num_classes",
-          "data.seq", "data.batch_size", "data.num_samples", "data.val_samples")
+          "data.seq", "data.batch_size", "data.num_samples", "data.val_samples", "trainer.max_steps",
+          "trainer.val_check_interval")
 PRECISIONS = ("32-true", "bf16-mixed", "16-mixed", "bf16-true", "16-true", "64-true")
 
 
@@ -229,6 +230,8 @@ def check_settings(cfg: DictConfig) -> None:
         value = OmegaConf.select(cfg, key)
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise MisconfigurationException(f"{key}={value!r} must be a whole number of at least 1")
+    if not cfg.model.lr > 0:
+        raise MisconfigurationException(f"model.lr={cfg.model.lr!r} must be positive")
     if not 0 <= cfg.model.dropout < 1:
         raise MisconfigurationException(f"model.dropout={cfg.model.dropout!r} must be in [0, 1)")
     if str(cfg.trainer.precision) not in PRECISIONS:

@@ -205,28 +205,19 @@ def _patch_accelerator_connector() -> None:
     from lightning.pytorch.trainer.connectors import accelerator_connector
 
     connector = accelerator_connector._AcceleratorConnector
-    choose, init_precision, choose_auto = (getattr(connector, n, None) for n in (
-        "_choose_strategy", "_check_and_init_precision", "_choose_auto_accelerator"))
-    if choose is None or init_precision is None or choose_auto is None:
-        rank_zero_warn("This Lightning version changed how it picks accelerators and strategies, so Trainer() may "
-                       "not choose the NPU nor Trainer(accelerator='npu') place the model on it; pass "
-                       "accelerator='npu', strategy='npu_single' and plugins=MixedPrecision(..., device='npu') "
-                       "explicitly.")
-        return
-    if getattr(choose, "_npugraph_npu", False):
+    if getattr(getattr(connector, "_choose_strategy", None), "_npugraph_npu", False):
         return  # already wrapped: registration is idempotent
-
     # These strategies bring their own precision plugin; Lightning's choice stands for them.
     own_precision = (DeepSpeedStrategy, FSDPStrategy, XLAStrategy, SingleDeviceXLAStrategy)
+    names = ("_choose_strategy", "_check_and_init_precision", "_choose_auto_accelerator")
+    originals = {name: getattr(connector, name, None) for name in names}
 
-    @functools.wraps(choose)
     def _choose_strategy(self: Any) -> Any:
         if isinstance(getattr(self, "accelerator", None), NPUAccelerator):
             if self._num_nodes_flag == 1 and len(self._parallel_devices) <= 1:
                 return SingleNPUStrategy(device=self._parallel_devices[0] if self._parallel_devices else "npu:0")
-        return choose(self)
+        return originals["_choose_strategy"](self)
 
-    @functools.wraps(init_precision)
     def _check_and_init_precision(self: Any) -> Any:
         if (isinstance(getattr(self, "accelerator", None), NPUAccelerator)
                 and self._precision_plugin_flag is None  # a plugin the user passed is theirs to configure
@@ -235,17 +226,22 @@ def _patch_accelerator_connector() -> None:
             self._validate_precision_choice()
             rank_zero_info(f"Using {self._precision_flag} Automatic Mixed Precision (AMP) on the NPU")
             return MixedPrecision(self._precision_flag, device="npu")
-        return init_precision(self)
+        return originals["_check_and_init_precision"](self)
 
-    @functools.wraps(choose_auto)
     def _choose_auto_accelerator() -> str:
-        return "npu" if NPUAccelerator.is_available() else choose_auto()
+        return "npu" if NPUAccelerator.is_available() else originals["_choose_auto_accelerator"]()
 
-    for wrapper in (_choose_strategy, _check_and_init_precision, _choose_auto_accelerator):
-        wrapper._npugraph_npu = True  # type: ignore[attr-defined]
-    connector._choose_strategy = _choose_strategy
-    connector._check_and_init_precision = _check_and_init_precision
-    connector._choose_auto_accelerator = staticmethod(_choose_auto_accelerator)
+    # Each on its own: one method renamed by a later Lightning leaves the others working.
+    for name, wrapper in zip(names, (_choose_strategy, _check_and_init_precision, _choose_auto_accelerator)):
+        if originals[name] is not None:
+            functools.update_wrapper(wrapper, originals[name])
+            wrapper._npugraph_npu = True  # type: ignore[attr-defined]
+            setattr(connector, name, staticmethod(wrapper) if name == "_choose_auto_accelerator" else wrapper)
+    missing = [name for name in names if originals[name] is None]
+    if missing:
+        rank_zero_warn(f"This Lightning version has no _AcceleratorConnector.{', '.join(missing)}, so Trainer() may not "
+                       "choose the NPU, place the model on it or autocast there; pass accelerator='npu', "
+                       "strategy='npu_single' and plugins=MixedPrecision(..., device='npu') explicitly.")
 
 
 def _register(registry: Dict[str, Any], name: str, cls: type, register: Callable[[Any], None]) -> None:

@@ -285,7 +285,7 @@ class WholeStepGrapher:
                               "rest of this fit (keep the setup constant between steps, e.g. register hooks once, "
                               "before fit, to graph it)")
             self.status = f"runs eager: {self.unsettled}"
-        if f"setup:{kind}" not in self._warned:
+        elif f"setup:{kind}" not in self._warned:
             self._warned.add(f"setup:{kind}")
             rank_zero_warn(f"NPUGraphCallback(mode='whole_step'): {reason} after the training step was captured; "
                            "it is captured again with the new setup, on the next step with the captured batch shape. "

@@ -91,16 +91,17 @@ def backend_for_device(device_type: str, name: Optional[str] = None) -> Backend:
     The one named (or chosen by ``set_backend`` / ``NPUGRAPH_BACKEND``), which must capture that device's
     tensors; with ``auto``, the device's own (``emulate`` for the CPU).
     """
+    fits = _DEVICE_BACKENDS.get(device_type)
+    if fits is None:
+        raise BackendUnavailableError(f"no graph backend captures {device_type} tensors (npugraph_train graphs npu, "
+                                      "cuda, and cpu through the emulator); train on one of those, or turn graphs off")
     requested, source = (name, "argument") if name not in (None, "auto") else _requested()
-    if requested == "auto":
-        requested = _DEVICE_BACKENDS.get(device_type, "auto")
-    backend = get_backend(requested)
+    backend = get_backend(fits if requested == "auto" else requested)
     if backend.device_type != device_type:
-        fits = _DEVICE_BACKENDS.get(device_type)
         raise BackendUnavailableError(
             f"graph backend {backend.name!r} (from {source}) captures {backend.device_type} tensors, but training "
-            f"runs on {device_type}: use backend 'auto'{f' or {fits!r}' if fits else ''}, or train on the "
-            f"{backend.device_type} device (Trainer(accelerator={backend.device_type!r}))")
+            f"runs on {device_type}: use backend 'auto' or {fits!r}, or train on the {backend.device_type} device "
+            f"(Trainer(accelerator={backend.device_type!r}))")
     return backend
 
 
