@@ -106,6 +106,56 @@ def test_warmup_leaves_rng_and_buffers_untouched():
         assert torch.equal(value, before[key]), key
 
 
+@pytest.mark.parametrize("error", [ValueError, KeyboardInterrupt])
+def test_warmup_leaves_no_trace_when_the_forward_raises_anything(error):
+    class Fails(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.net, self.calls = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), nn.Dropout(0.3)), [0]
+
+        def forward(self, x):
+            self.calls[0] += 1
+            if self.calls[0] == 2:
+                raise error("from the forward")
+            return self.net(x)
+
+    model, sample = Fails(), torch.randn(8, 4)
+    before, rng = {k: v.clone() for k, v in model.state_dict().items()}, torch.get_rng_state()
+    expected = ng.GraphCaptureError if error is ValueError else KeyboardInterrupt
+    with pytest.raises(expected, match="capturing Fails failed: ValueError: from the forward" if error is ValueError
+                       else "from the forward"):
+        ng.make_graphed_callables(model, (sample,))
+    assert torch.equal(torch.get_rng_state(), rng)
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+
+
+def test_signatures_captured_while_frozen_still_train_after_unfreezing():
+    torch.manual_seed(0)
+    eager = nn.Linear(8, 8)
+    graphed = copy.deepcopy(eager)
+    ng.make_graphed_callables(graphed, (torch.randn(4, 8),), max_signatures=2)
+    for model in (eager, graphed):
+        model.requires_grad_(False)  # a finetuning warmup
+        model(torch.randn(6, 8, requires_grad=True)).sum().backward()  # graphed: a new signature, captured now
+        model.requires_grad_(True)
+    x = torch.randn(6, 8)
+    for model in (eager, graphed):
+        model(x).sum().backward()
+    assert graphed.weight.grad is not None and torch.equal(graphed.weight.grad, eager.weight.grad)
+
+
+def test_bad_arguments_are_refused_before_anything_runs():
+    for kwargs, message in (({"max_signatures": 0}, "max_signatures must be whole numbers >= 1, got 0"),
+                            ({"capture_error_mode": "bogus"}, "capture_error_mode='bogus'; choose one of global")):
+        with pytest.raises(ValueError, match=message):
+            ng.make_graphed_callables(nn.Linear(2, 2), (torch.zeros(1, 2),), **kwargs)
+    with torch.inference_mode(), pytest.raises(ng.GraphCaptureError, match=r"under torch.inference_mode\(\).*"
+                                                                           r"torch.no_grad\(\)"):
+        ng.make_graphed_callables(nn.Linear(2, 2), (torch.zeros(1, 2),))
+    with pytest.raises(ValueError, match="allow_unused_input='yes'"):
+        ng.graph_safe(allow_unused_input="yes")
+
+
 class Scaled(nn.Module):
     def __init__(self):
         super().__init__()

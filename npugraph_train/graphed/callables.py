@@ -45,7 +45,7 @@ import torch.nn as nn
 from torch.utils._pytree import tree_flatten
 from torch.utils.hooks import RemovableHandle
 
-from .backends import Backend, get_backend
+from .backends import CAPTURE_ERROR_MODES, Backend, get_backend
 from .captured import CapturedSignature, SignatureStats, batch_ids, capture_signatures
 from .errors import GraphCaptureError, GraphStateError
 from .signatures import (Signature, describe_signature, difference_hint, flatten_call, is_constant, serves, signature,
@@ -368,7 +368,16 @@ class GraphedCallable:
         if self.cache_pool is None:
             self.cache_pool = self.backend.graph_pool_handle()
         sig = CapturedSignature(self, static_copies(flat), spec, self.cache_pool, (next(batch_ids), 0))
-        capture_signatures([sig], key_of={id(sig): key})
+        # Its key says which parameters its backward computes gradients for: those that did at the first
+        # capture, also where some are frozen now (graphs serve frozen calls; autograd drops those gradients).
+        frozen = [p for p, trained in zip(self.params, self.param_flags) if trained and not p.requires_grad]
+        for p in frozen:
+            p.requires_grad_(True)
+        try:
+            capture_signatures([sig], key_of={id(sig): key})
+        finally:
+            for p in frozen:
+                p.requires_grad_(False)
         self.note_memory()
         return sig
 
@@ -519,6 +528,16 @@ def make_graphed_callables(
     if not (len(limits) == len(names) == len(funcs)):
         raise ValueError(f"make_graphed_callables: {len(funcs)} callables but {len(limits)} max_signatures and "
                          f"{len(names)} names; give one per callable (or an int max_signatures for all)")
+    bad = [limit for limit in limits if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1]
+    if bad:
+        raise ValueError(f"make_graphed_callables: max_signatures must be whole numbers >= 1, got {bad[0]!r}")
+    if capture_error_mode not in CAPTURE_ERROR_MODES:
+        raise ValueError(f"make_graphed_callables: capture_error_mode={capture_error_mode!r}; choose one of "
+                         f"{', '.join(CAPTURE_ERROR_MODES)}")
+    if torch.is_inference_mode_enabled():
+        # The static inputs would be inference tensors, which later training calls cannot write.
+        raise GraphCaptureError("make_graphed_callables under torch.inference_mode(): graphs for training calls "
+                                "cannot be captured there; call it under torch.no_grad() or outside both")
     chosen = get_backend(backend)
     pool = pool if pool is not None else chosen.graph_pool_handle()
     batch = next(batch_ids)

@@ -466,7 +466,7 @@ def capture_signatures(sigs: Sequence[CapturedSignature], key_of: Dict[int, Sign
                 current.attributes = kept if kept is not None and kept.written else None
             for current in reversed(sigs):
                 timed(current, current.capture_backward)
-    except (GraphCaptureError, GraphStateError, RuntimeError) as exc:
+    except BaseException as exc:  # Ctrl-C or any error in a user's forward: warmup must leave no trace either
         restore()
         for owner, settings in zip(owners, settings_before):
             owner.module_settings.write(settings)
@@ -474,7 +474,10 @@ def capture_signatures(sigs: Sequence[CapturedSignature], key_of: Dict[int, Sign
             for g in (s.fwd_graph, s.bwd_graph):
                 if g.is_captured:
                     g.reset()
-        raise GraphCaptureError(f"capturing {current.owner.name} failed: {exc}",
+        if not isinstance(exc, Exception):
+            raise
+        kind = "" if isinstance(exc, RuntimeError) else f"{type(exc).__name__}: "  # a ValueError in the forward
+        raise GraphCaptureError(f"capturing {current.owner.name} failed: {kind}{exc}",
                                 module_name=current.owner.name) from exc
     for s in sigs:
         key = key_of[id(s)]

@@ -40,9 +40,12 @@ class GraphSafeOptions:
     def __post_init__(self) -> None:
         for name in ("max_signatures", "num_warmup_iters"):
             value = getattr(self, name)
-            if value is not None and (not isinstance(value, int) or value < (1 if name == "max_signatures" else 0)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                                      or value < (1 if name == "max_signatures" else 0)):
                 raise ValueError(f"graph_safe({name}={value!r}): expected an int >= "
                                  f"{1 if name == 'max_signatures' else 0}")
+        if self.allow_unused_input is not None and not isinstance(self.allow_unused_input, bool):
+            raise ValueError(f"graph_safe(allow_unused_input={self.allow_unused_input!r}): expected True or False")
 
 
 @overload
