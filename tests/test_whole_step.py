@@ -1017,3 +1017,47 @@ def test_a_setup_changed_on_every_step_runs_eager_after_three_recaptures():
     assert report["captures"] == 3 and report["status"].startswith("runs eager: the modules' parameters")
     assert report["eager_calls"] == {report["status"][len("runs eager: "):]: 16 - 3 - 3}  # 3 warmup steps
     assert torch.equal(torch.stack(graphed_means[-10:]), torch.stack(eager_means[-10:]))
+
+
+class KeepsStepValues(Scheduled):
+    """Writes its batch in place and an attribute, and keeps what a hook sees of both."""
+
+    def __init__(self, adds_entry=False, **kwargs):
+        super().__init__(**kwargs)
+        self.adds_entry, self.kept = adds_entry, []
+
+    def training_step(self, batch, batch_idx):
+        batch[0].mul_(2)  # in-place preprocessing
+        loss = super().training_step(batch, batch_idx)
+        if self.adds_entry:
+            batch.append(batch[1] * 0)
+        self.last_loss = loss.detach()
+        return loss
+
+    def on_train_batch_end(self, outputs, batch, batch_idx):
+        self.kept.append((self.last_loss, batch[0].sum()))
+
+
+def test_what_the_step_writes_reaches_later_hooks_as_in_eager():
+    def run(callbacks):
+        torch.manual_seed(0)
+        model = KeepsStepValues()
+        train = loaders()[0]
+        train = torch.utils.data.DataLoader(train.dataset, batch_size=8, collate_fn=lambda rows: [
+            torch.stack([r[0] for r in rows]), torch.stack([r[1] for r in rows])])
+        trainer(callbacks, max_steps=8, val_check_interval=None, limit_val_batches=0).fit(model, train)
+        return model
+
+    eager, graphed = run([]), run([NPUGraphCallback(mode="whole_step")])
+    assert _same(eager, graphed)
+    assert len({id(loss) for loss, _ in graphed.kept}) == 8, "each step's value, not one tensor every replay writes"
+    assert all(torch.equal(a, b) for row_a, row_b in zip(eager.kept, graphed.kept) for a, b in zip(row_a, row_b))
+
+
+def test_a_step_that_adds_to_its_batch_is_refused_with_the_fix():
+    train = loaders()[0]
+    train = torch.utils.data.DataLoader(train.dataset, batch_size=8, collate_fn=lambda rows: [
+        torch.stack([r[0] for r in rows]), torch.stack([r[1] for r in rows])])
+    with pytest.raises(ngt.GraphCaptureError, match=r"training_step changes its batch.*return such values from "
+                                                    r"training_step instead"):
+        trainer([NPUGraphCallback(mode="whole_step")], max_steps=8).fit(KeepsStepValues(adds_entry=True), train)

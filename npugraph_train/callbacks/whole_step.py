@@ -65,6 +65,7 @@ class WholeStepGrapher:
         self.active = False
         self.failed = False
         self.static_leaves: List[Any] = []
+        self.written_leaves: List[int] = []  # batch tensors the step writes in place, copied back after a replay
         self.key: Optional[BatchKey] = None
         self.previous_key: Optional[BatchKey] = None  # the last eager step's batch, before capture
         self.capture_delay = 0
@@ -146,6 +147,7 @@ class WholeStepGrapher:
                 "does not flatten, so its tensors cannot be copied into the graph's static buffers; register it "
                 f"(torch.utils._pytree.register_dataclass({opaque[0]})) or return tuples and dicts from the DataLoader")
         self.static_leaves = [_clone(leaf) for leaf in leaves]
+        versions = [getattr(leaf, "_version", None) for leaf in self.static_leaves]
         key = batch_key(leaves, spec)
         static_kwargs = OrderedDict(kwargs)
         static_kwargs["batch"] = tree_unflatten(self.static_leaves, spec)
@@ -177,7 +179,9 @@ class WholeStepGrapher:
             if isinstance(static_kwargs.get("batch_idx"), WatchedIndex):
                 static_kwargs["batch_idx"].stop_watching()
         carried_failure = rebinding_error(module, carried) if failure is None and carried else None
-        failure = failure or carried_failure
+        failure = failure or carried_failure or self._batch_changed(static_kwargs["batch"], spec)
+        self.written_leaves = [i for i, (leaf, version) in enumerate(zip(self.static_leaves, versions))
+                               if isinstance(leaf, torch.Tensor) and leaf._version != version]
         # Optimizer state made inside the graph would start over on every replay (parameters trained for the
         # first time: unfrozen, or in a group added at this step): an eager step makes it, then capture.
         fresh = [p for p in opt.state if p not in had_state]
@@ -233,6 +237,16 @@ class WholeStepGrapher:
         # Capture runs no kernels: this replay is the capture step's update.
         return self.replay_step(loop, batch=kwargs["batch"])
 
+    def _batch_changed(self, batch: Any, spec: Any) -> Optional[GraphCaptureError]:
+        leaves, now = tree_flatten(batch)
+        if now == spec and all(a is b for a, b in zip(leaves, self.static_leaves)):
+            return None
+        # Lightning hands its own batch to the hooks after the step, which a replay would not change.
+        return GraphCaptureError(
+            "training_step changes its batch (adds, removes or replaces entries, as batch['pred'] = ...), which a "
+            "replayed step would not do, so hooks that read the batch afterwards would miss it; return such "
+            "values from training_step instead (on_train_batch_end gets them as outputs)")
+
     def _warn_host_read(self, name: str, value: Any) -> None:
         if f"read:{name}" not in self._warned:
             self._warned.add(f"read:{name}")
@@ -260,6 +274,12 @@ class WholeStepGrapher:
                     static.copy_(new, non_blocking=True)
         self.graph.replay()
         self.replays += 1
+        if self.written_leaves:  # the step wrote its batch in place: hooks after it read the DataLoader's
+            live = leaves if leaves is not None else tree_flatten(batch)[0]
+            for i in self.written_leaves:
+                live[i].copy_(self.static_leaves[i], non_blocking=True)
+        if self.attributes is not None:
+            self.attributes.bind_copies()
         for p, g in self.static_grads:
             # zero_grad(set_to_none=True) (validation, eager steps) detached them; the graph still writes here
             if p.grad is not g:

@@ -13,7 +13,7 @@ from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten, tree_unflatten
+from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 
 def recomputed_by_hooks(module: torch.nn.Module) -> set:
@@ -232,6 +232,14 @@ class StateAttributes:
         for module, attr, value in self._scalars:
             if id(module) in rebound:
                 module.__dict__[attr] = value
+
+    def bind_copies(self) -> None:
+        """Bind written-only attributes to copies of the graph's tensors, as a step leaves them: code that keeps
+        what a step wrote (``self.history.append(self.last_loss)``) must not see later replays write into it.
+        Tensors that require grad stay guarded (see :meth:`guard_written_with_grad`)."""
+        for _, module, where, attr, value, _ in self.written:
+            getattr(module, where)[attr] = tree_map(
+                lambda t: t.clone() if isinstance(t, torch.Tensor) and not t.requires_grad else t, value)
 
     def rebind_written(self) -> None:
         """Bind written-only attributes to the graph's tensors again (an eager step may have rebound them)."""
