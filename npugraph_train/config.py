@@ -50,7 +50,10 @@ class NPUGraphConfig:
             for that batch: a list of dicts (for every graph), or in ``submodules`` mode a dict mapping
             module names to such lists.
         convert_optimizers: in ``whole_step`` mode, make the optimizer capture-safe with
-            :func:`npugraph_train.optim.make_capturable` (else refuse one that is not, with instructions).
+            :func:`npugraph_train.optim.make_capturable` (else refuse one that is not, with instructions; on
+            the CPU emulator torch's own ``capturable=True`` Adam-family optimizers refuse CPU tensors, so
+            there they need conversion).
+        max_signatures applies to ``submodules`` mode; ``whole_step`` captures one batch shape.
         log_report: log the capture report at the end of each fit (rank zero).
     """
 

@@ -45,7 +45,13 @@ from .whole_step import UPDATE_HOOK, WholeStepGrapher
 
 
 class NPUGraphCallback(Callback):
-    """Capture training as graphs after ``warmup_steps``; arguments are those of :class:`NPUGraphConfig`."""
+    """Capture training as graphs after ``warmup_steps``; arguments are those of :class:`NPUGraphConfig`.
+
+    ``report()`` gives one row per graphed module (``training_step`` in whole-step mode): its status,
+    signatures with replays, capture seconds and pool bytes, ``captures``, and eager calls by reason;
+    ``format_report()`` the same as text, which is also logged at the end of fit (``log_report``).
+    ``state_dict`` holds how many fits were captured; graphs themselves are never saved.
+    """
 
     # The defaults are read from the config, so that they are written once; the explicit signature is kept for
     # Hydra, LightningCLI and editors, which read it.
@@ -100,8 +106,9 @@ class NPUGraphCallback(Callback):
         if self.config.auto_dispatch_capture and not callable(getattr(pl_module, UPDATE_HOOK, None)):
             raise MisconfigurationException(
                 f"NPUGraphCallback(auto_dispatch_capture=True) needs {type(pl_module).__name__}.{UPDATE_HOOK}"
-                "(self, batch) returning the cpu_update_input of each batch (a list of dicts, one per updatable "
-                "op in capture order, or a one-dict list for all)")
+                "(self, batch) returning the cpu_update_input of each batch: a list of dicts, one per updatable "
+                "op in capture order, or a one-dict list for all (in mode='submodules' also a dict mapping "
+                "module names to such lists)")
         if self.config.mode == "whole_step":
             if self.config.max_signatures > 1:
                 rank_zero_warn(f"NPUGraphCallback(mode='whole_step', max_signatures={self.config.max_signatures}): "

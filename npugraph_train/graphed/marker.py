@@ -57,7 +57,9 @@ def graph_safe(obj: None = None, **options: Any) -> Callable[[T], T]: ...
 
 
 def graph_safe(obj: Any = None, **options: Any) -> Any:
-    """Mark a module class or instance as capture-safe, optionally with :class:`GraphSafeOptions`."""
+    """Mark a module class or instance as capture-safe, optionally with the fields of :class:`GraphSafeOptions`
+    as keywords: ``@graph_safe`` or ``@graph_safe(max_signatures=2, allow_unused_input=True)``. A class's mark
+    does not pass to its subclasses."""
     opts = GraphSafeOptions(**options)
 
     def mark(target: Any) -> Any:

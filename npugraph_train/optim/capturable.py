@@ -8,6 +8,8 @@ trains wrong, so the check here runs on every backend::
     optimizer = make_capturable(torch.optim.AdamW(model.parameters(), lr=1e-3))
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, 10)   # updates the lr tensor in place
 
+Supported: SGD, Adam, AdamW, Adamax, NAdam, RAdam, RMSprop, Rprop, ASGD, Adadelta (foreach). Refused, with
+the alternative: Adagrad, LBFGS, SparseAdam and other classes, ``fused=True``, torch_npu's ``NpuFused*``.
 What it does, keeping the optimizer object and its state:
 
 - classes with a ``capturable`` option (Adam, AdamW, Adamax, NAdam, RAdam, RMSprop, Rprop, ASGD,
