@@ -143,6 +143,19 @@ def test_signatures_captured_while_frozen_still_train_after_unfreezing():
         model(x).sum().backward()
     assert graphed.weight.grad is not None and torch.equal(graphed.weight.grad, eager.weight.grad)
 
+    class Branch(nn.Module):  # a frozen layer that the new shape does not use is no unused parameter
+        def __init__(self):
+            super().__init__()
+            self.a, self.extra = nn.Linear(8, 8), nn.Linear(8, 8)
+
+        def forward(self, x):
+            return self.extra(self.a(x)) if x.shape[0] == 4 else self.a(x)
+
+    model = ng.make_graphed_callables(Branch(), (torch.randn(4, 8),), max_signatures=2)
+    model.extra.requires_grad_(False)
+    model(torch.randn(6, 8)).sum().backward()
+    assert ng.graphed_state(model).report()["eager_calls"] == {} and not model.extra.weight.requires_grad
+
 
 def test_bad_arguments_are_refused_before_anything_runs():
     for kwargs, message in (({"max_signatures": 0}, "max_signatures must be whole numbers >= 1, got 0"),
@@ -1051,6 +1064,18 @@ class TestModuleState:
             ng.make_graphed_callables(model, (torch.randn(3, 4),))
         assert model.calls == 0 and model.initialised is False, "warmup leaves no trace"
         ng.make_graphed_callables(Ramp(counts=False), (torch.randn(3, 4),))  # a flag set once is not state
+
+        class Lazy(nn.Module):  # the counter made by the first call
+            def __init__(self):
+                super().__init__()
+                self.lin = nn.Linear(4, 4)
+
+            def forward(self, x):
+                self.calls = getattr(self, "calls", 0) + 1
+                return self.lin(x) * self.calls
+
+        with pytest.raises(ng.GraphCaptureError, match=r"Lazy: its forward changes a Python attribute on every call"):
+            ng.make_graphed_callables(Lazy(), (torch.randn(3, 4),))
 
     def test_host_values_a_forward_writes_follow_each_signatures_replay(self):
         class Rotary(nn.Module):  # a cache grown inside the forward, with the length it holds (HF style)

@@ -1054,10 +1054,18 @@ def test_what_the_step_writes_reaches_later_hooks_as_in_eager():
     assert all(torch.equal(a, b) for row_a, row_b in zip(eager.kept, graphed.kept) for a, b in zip(row_a, row_b))
 
 
-def test_a_step_that_adds_to_its_batch_is_refused_with_the_fix():
+def test_a_step_that_adds_to_its_batch_warns_one_that_reshapes_it_in_place_is_refused():
     train = loaders()[0]
     train = torch.utils.data.DataLoader(train.dataset, batch_size=8, collate_fn=lambda rows: [
         torch.stack([r[0] for r in rows]), torch.stack([r[1] for r in rows])])
-    with pytest.raises(ngt.GraphCaptureError, match=r"training_step changes its batch.*return such values from "
-                                                    r"training_step instead"):
+    with pytest.warns(UserWarning, match=r"training_step adds, removes or replaces entries of its batch.*Return such "
+                                         r"values from training_step instead"):
         trainer([NPUGraphCallback(mode="whole_step")], max_steps=8).fit(KeepsStepValues(adds_entry=True), train)
+
+    class Squeezes(Scheduled):
+        def training_step(self, batch, batch_idx):
+            batch[1].squeeze_(1)
+            return super().training_step([batch[0], batch[1].unsqueeze(1)], batch_idx)
+
+    with pytest.raises(ngt.GraphCaptureError, match=r"changes the shape of a batch tensor in place.*y.squeeze\(1\)"):
+        trainer([NPUGraphCallback(mode="whole_step")], max_steps=8).fit(Squeezes(), train)

@@ -51,6 +51,10 @@ UNSETTLED_AFTER = 3
 # The LightningModule method that maps a batch to the cpu_update_input of its graphs (auto_dispatch_capture).
 UPDATE_HOOK = "npugraph_update_input"
 
+def _layouts(leaves: List[Any]) -> List[Any]:
+    return [(leaf.shape, leaf.stride()) if isinstance(leaf, torch.Tensor) else None for leaf in leaves]
+
+
 def _clone(value: Any) -> Any:
     return value.clone() if isinstance(value, torch.Tensor) else value
 
@@ -148,6 +152,7 @@ class WholeStepGrapher:
                 f"(torch.utils._pytree.register_dataclass({opaque[0]})) or return tuples and dicts from the DataLoader")
         self.static_leaves = [_clone(leaf) for leaf in leaves]
         versions = [getattr(leaf, "_version", None) for leaf in self.static_leaves]
+        layouts = _layouts(self.static_leaves)
         key = batch_key(leaves, spec)
         static_kwargs = OrderedDict(kwargs)
         static_kwargs["batch"] = tree_unflatten(self.static_leaves, spec)
@@ -179,7 +184,8 @@ class WholeStepGrapher:
             if isinstance(static_kwargs.get("batch_idx"), WatchedIndex):
                 static_kwargs["batch_idx"].stop_watching()
         carried_failure = rebinding_error(module, carried) if failure is None and carried else None
-        failure = failure or carried_failure or self._batch_changed(static_kwargs["batch"], spec)
+        failure = failure or carried_failure or self._batch_reshaped(layouts)
+        self._warn_if_batch_changed(static_kwargs["batch"], spec)
         self.written_leaves = [i for i, (leaf, version) in enumerate(zip(self.static_leaves, versions))
                                if isinstance(leaf, torch.Tensor) and leaf._version != version]
         # Optimizer state made inside the graph would start over on every replay (parameters trained for the
@@ -237,15 +243,21 @@ class WholeStepGrapher:
         # Capture runs no kernels: this replay is the capture step's update.
         return self.replay_step(loop, batch=kwargs["batch"])
 
-    def _batch_changed(self, batch: Any, spec: Any) -> Optional[GraphCaptureError]:
-        leaves, now = tree_flatten(batch)
-        if now == spec and all(a is b for a, b in zip(leaves, self.static_leaves)):
+    def _batch_reshaped(self, layouts: List[Any]) -> Optional[GraphCaptureError]:
+        if _layouts(self.static_leaves) == layouts:
             return None
-        # Lightning hands its own batch to the hooks after the step, which a replay would not change.
-        return GraphCaptureError(
-            "training_step changes its batch (adds, removes or replaces entries, as batch['pred'] = ...), which a "
-            "replayed step would not do, so hooks that read the batch afterwards would miss it; return such "
-            "values from training_step instead (on_train_batch_end gets them as outputs)")
+        # The next batch could not be copied into the capture's buffers.
+        return GraphCaptureError("training_step changes the shape of a batch tensor in place (squeeze_, "
+                                 "unsqueeze_, t_, resize_); use the op that returns a new tensor (y = y.squeeze(1))")
+
+    def _warn_if_batch_changed(self, batch: Any, spec: Any) -> None:
+        leaves, now = tree_flatten(batch)
+        if now != spec or not all(a is b for a, b in zip(leaves, self.static_leaves)):
+            # Lightning hands its own batch to the hooks after the step, which a replay leaves as it was.
+            rank_zero_warn("NPUGraphCallback(mode='whole_step'): training_step adds, removes or replaces entries of "
+                           "its batch (batch['pred'] = ...); on replayed steps, hooks after it (on_train_batch_end) "
+                           "see the batch as the DataLoader gave it. Return such values from training_step instead "
+                           "(hooks get them as outputs)")
 
     def _warn_host_read(self, name: str, value: Any) -> None:
         if f"read:{name}" not in self._warned:

@@ -69,9 +69,10 @@ class ModuleSettings:
 
     def __init__(self, module: Optional[nn.Module]) -> None:
         self.module = module
-        self._find()
+        self.find()
 
-    def _find(self) -> None:
+    def find(self) -> None:
+        """Look for the settings again (the first call of a forward may create some)."""
         slots = [(f"{path + '.' if path else ''}{key}", m.__dict__, key)
                  for path, m in (self.module.named_modules() if self.module is not None else ())
                  for key, value in m.__dict__.items() if type(value) in SCALAR_TYPES and key not in MODULE_INTERNALS]
@@ -81,7 +82,7 @@ class ModuleSettings:
         try:
             return tuple(map(dict.__getitem__, self._dicts, self._keys))
         except KeyError:  # a setting deleted: from now on, the settings there are
-            self._find()
+            self.find()
             return tuple(map(dict.__getitem__, self._dicts, self._keys))
 
     def write(self, values: tuple) -> None:
@@ -371,6 +372,7 @@ class GraphedCallable:
         # Its key says which parameters its backward computes gradients for: those that did at the first
         # capture, also where some are frozen now (graphs serve frozen calls; autograd drops those gradients).
         frozen = [p for p, trained in zip(self.params, self.param_flags) if trained and not p.requires_grad]
+        sig.unfrozen = set(map(id, frozen))
         for p in frozen:
             p.requires_grad_(True)
         try:

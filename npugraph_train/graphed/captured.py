@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import threading
 import time
 import weakref
 from dataclasses import dataclass
@@ -105,6 +106,9 @@ class CapturedSignature:
         self.static_outputs: Tuple[torch.Tensor, ...] = ()
         self.outputs_read_by_backward: Tuple[torch.Tensor, ...] = ()
         self.written_scalars: List[Tuple[nn.Module, str, Any]] = []  # (module, name, value at capture)
+        # ids of parameters frozen now but trained at the first capture: made to require grad for this capture,
+        # and allowed to be unused by it (a shape that skips them), as they were when frozen.
+        self.unfrozen: set = set()
         self.output_spec: Any = None
         self.none_outputs: Tuple[int, ...] = ()  # positions of None among the flat outputs
         self.replays = 0  # forward replays: a backward must follow the replay whose activations it reads
@@ -136,6 +140,8 @@ class CapturedSignature:
                 if [t._version for t in self.static_inputs] != versions:
                     raise self._writes_inputs_error()
                 self._check_leaves(outputs)
+                self.owner.module_settings.find()  # self.calls = getattr(self, "calls", 0) + 1 made one
+                settings = self.owner.module_settings.read()
             elif self.owner.module_settings.differ(settings, previous):
                 # Changed again on a later call: state carried in Python (a call counter), which replays,
                 # running no Python, would freeze. (Set once, as an init flag, is not.)
@@ -150,7 +156,7 @@ class CapturedSignature:
                 with self.owner.backend.without_autocast():
                     grads = torch.autograd.grad(outputs, inputs, grad_outputs=[torch.empty_like(o) for o in outputs],
                                                 only_inputs=True, allow_unused=True)
-                unused = [i for i, g in zip(inputs, grads) if g is None]
+                unused = [i for i, g in zip(inputs, grads) if g is None and id(i) not in self.unfrozen]
                 if unused and not self.owner.allow_unused_input:
                     raise GraphCaptureError(
                         f"{self.owner.name}: {self._label(unused)} require grad but do not reach its outputs "
@@ -223,8 +229,10 @@ class CapturedSignature:
             outputs = self.owner.call_original(*args, **kwargs)
         # Host values the forward set (self.last_len = n, a grown cache's length): a replay sets them again, as
         # the forward would, so that they match the tensors this signature's replay binds.
+        owned = {id(m) for m in self.owner.submodules} | ({id(self.owner.func)} if self.owner.is_module else set())
         self.written_scalars = [(m, name, m.__dict__[name]) for m, name in dict.fromkeys(assigned)
-                                if type(m.__dict__.get(name)) in SCALAR_TYPES and name not in MODULE_INTERNALS]
+                                if id(m) in owned and type(m.__dict__.get(name)) in SCALAR_TYPES
+                                and name not in MODULE_INTERNALS]
         flat, self.output_spec = tree_flatten(outputs)
         bad = [type(o).__name__ for o in flat if not isinstance(o, torch.Tensor) and o is not None]
         if bad:
@@ -250,7 +258,8 @@ class CapturedSignature:
                     auto_dispatch_capture=self.owner.auto_dispatch_capture):
                 grads = torch.autograd.grad(outputs, inputs,
                                             grad_outputs=tuple(g for g in self.static_grad_outputs if g is not None),
-                                            only_inputs=True, allow_unused=self.owner.allow_unused_input)
+                                            only_inputs=True,
+                                            allow_unused=self.owner.allow_unused_input or bool(self.unfrozen))
         it = iter(grads)
         self.static_grad_inputs = tuple(next(it) if (i.requires_grad and grads) else None for i in self.surface)
         self.function = self._make_function()
@@ -365,21 +374,39 @@ class CapturedSignature:
         return tree_unflatten(out, self.output_spec)
 
 
-@contextlib.contextmanager
-def _assignments() -> Iterator[List[Tuple[nn.Module, str]]]:
-    """The (module, name) of every attribute assigned to a module in the block (nn.Module.__setattr__)."""
-    assigned: List[Tuple[nn.Module, str]] = []
-    original = nn.Module.__setattr__
+# nn.Module.__setattr__ records assignments for the captures under way on each thread (a capture's own forward
+# only), installed while any capture runs; a lock keeps captures on several threads from undoing each other.
+_setattr = nn.Module.__setattr__
+_recorders = threading.local()
+_recording_lock = threading.Lock()
+_recording_captures = 0
 
-    def recording(module: nn.Module, name: str, value: Any) -> None:
-        original(module, name, value)
+
+def _recording_setattr(module: nn.Module, name: str, value: Any) -> None:
+    _setattr(module, name, value)
+    for assigned in getattr(_recorders, "stack", ()):
         assigned.append((module, name))
 
-    nn.Module.__setattr__ = recording  # type: ignore[method-assign]
+
+@contextlib.contextmanager
+def _assignments() -> Iterator[List[Tuple[nn.Module, str]]]:
+    """The (module, name) of every attribute this thread assigns to a module in the block."""
+    global _recording_captures
+    assigned: List[Tuple[nn.Module, str]] = []
+    with _recording_lock:
+        if _recording_captures == 0:
+            nn.Module.__setattr__ = _recording_setattr  # type: ignore[method-assign]
+        _recording_captures += 1
+    stack = _recorders.__dict__.setdefault("stack", [])
+    stack.append(assigned)
     try:
         yield assigned
     finally:
-        nn.Module.__setattr__ = original  # type: ignore[method-assign]
+        stack.remove(assigned)
+        with _recording_lock:
+            _recording_captures -= 1
+            if _recording_captures == 0:
+                nn.Module.__setattr__ = _setattr  # type: ignore[method-assign]
 
 
 def _storage_key(t: torch.Tensor) -> Any:
@@ -427,7 +454,10 @@ def capture_signatures(sigs: Sequence[CapturedSignature], key_of: Dict[int, Sign
     def restore() -> None:
         with torch.no_grad():
             for b, saved in zip(buffers, saved_buffers):
-                b.copy_(saved)
+                if b.shape == saved.shape:
+                    b.copy_(saved)
+                else:  # the forward resized it (self.pe.data = ..., a grown cache)
+                    b.data = saved
         for kept in before_warmup:
             kept.restore()
         torch.set_rng_state(cpu_rng)
@@ -467,13 +497,17 @@ def capture_signatures(sigs: Sequence[CapturedSignature], key_of: Dict[int, Sign
             for current in reversed(sigs):
                 timed(current, current.capture_backward)
     except BaseException as exc:  # Ctrl-C or any error in a user's forward: warmup must leave no trace either
-        restore()
-        for owner, settings in zip(owners, settings_before):
-            owner.module_settings.write(settings)
-        for s in sigs:
-            for g in (s.fwd_graph, s.bwd_graph):
-                if g.is_captured:
-                    g.reset()
+        try:
+            restore()
+        except Exception as undo:  # the original error is the one to see
+            exc.add_note(f"npugraph_train could not undo the warmup: {type(undo).__name__}: {undo}")
+        finally:
+            for owner, settings in zip(owners, settings_before):
+                owner.module_settings.write(settings)
+            for s in sigs:
+                for g in (s.fwd_graph, s.bwd_graph):
+                    if g.is_captured:
+                        g.reset()
         if not isinstance(exc, Exception):
             raise
         kind = "" if isinstance(exc, RuntimeError) else f"{type(exc).__name__}: "  # a ValueError in the forward
