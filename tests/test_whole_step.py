@@ -1069,3 +1069,25 @@ def test_a_step_that_adds_to_its_batch_warns_one_that_reshapes_it_in_place_is_re
 
     with pytest.raises(ngt.GraphCaptureError, match=r"changes the shape of a batch tensor in place.*y.squeeze\(1\)"):
         trainer([NPUGraphCallback(mode="whole_step")], max_steps=8).fit(Squeezes(), train)
+
+
+def test_a_batch_holding_one_tensor_twice_stays_one_tensor_in_the_graph():
+    class AutoEncoder(Scheduled):
+        def on_after_batch_transfer(self, batch, dataloader_idx):
+            x = batch[0][:, :1].clone()
+            return [x, x]  # input and target are one tensor
+
+        def training_step(self, batch, batch_idx):
+            batch[0].mul_(2)  # so the target is doubled too
+            return super().training_step(batch, batch_idx)
+
+    def run(callbacks):
+        torch.manual_seed(0)
+        model = AutoEncoder()
+        model.head = torch.nn.Linear(model.head.in_features, 1)
+        model.embed = torch.nn.Linear(1, model.embed.out_features)
+        trainer(callbacks, max_steps=8, val_check_interval=None, limit_val_batches=0).fit(model, loaders()[0])
+        return model
+
+    eager, callback = run([]), NPUGraphCallback(mode="whole_step")
+    assert _same(eager, run([callback])) and callback.report()[0]["replays"] > 0

@@ -14,9 +14,11 @@ from typing import Any, List, Optional, Tuple
 import torch
 from torch.utils._pytree import TreeSpec, tree_flatten
 
+from ..graphed.signatures import aliases
+
 MAX_CAPTURE_DELAY = 2
 
-BatchKey = Tuple[TreeSpec, Tuple[Any, ...]]
+BatchKey = Tuple[Any, Tuple[Any, ...]]  # (the spec, or (spec, which leaves are one tensor)), per-leaf keys
 
 VALUES_DIFFER = ("its non-tensor values (ids, names, flags) differ, which a graph bakes in; leave them out of "
                  "the batch (collate_fn, on_before_batch_transfer) or make them tensors")
@@ -35,8 +37,10 @@ def leaf_key(leaf: Any, values: bool = True) -> Any:
 
 
 def batch_key(leaves: List[Any], spec: TreeSpec, values: bool = True) -> BatchKey:
-    """The key of a flattened batch (``tree_flatten(batch)``); ``values=False`` ignores non-tensor values."""
-    return spec, tuple(leaf_key(leaf, values) for leaf in leaves)
+    """The key of a flattened batch (``tree_flatten(batch)``); ``values=False`` ignores non-tensor values.
+    Which leaves are one tensor (an autoencoder's ``[x, x]``) is part of its structure."""
+    shared = aliases(leaves)
+    return (spec, shared) if shared else spec, tuple(leaf_key(leaf, values) for leaf in leaves)
 
 
 def key_of(batch: Any, values: bool = True) -> BatchKey:

@@ -65,8 +65,9 @@ def unique_tensors(leaves: Sequence[Any]) -> List[torch.Tensor]:
     return list(unique.values())
 
 
-def _aliases(leaves: Sequence[Any]) -> Tuple[int, ...]:
-    # Which arguments are one tensor: forwards branch on it (MultiheadAttention's `query is key`).
+def aliases(leaves: Sequence[Any]) -> Tuple[int, ...]:
+    """Which tensor leaves are one tensor (() when all differ): forwards branch on it (MultiheadAttention's
+    ``query is key``), and an in-place write to one is a write to the other."""
     ids = [id(t) for t in leaves if isinstance(t, torch.Tensor)]
     if len(set(ids)) == len(ids):
         return ()
@@ -91,7 +92,7 @@ def signature(spec: Any, leaves: Sequence[Any], backend: Backend, param_flags: T
     # A TreeSpec hashes in Python (about 3 us a lookup); the specs of positional-tensor calls have a token.
     # tuple.__new__ skips the Python frame of Signature's own __new__ (a quarter of a microsecond a call).
     return _new_tuple(Signature, (_SPEC_TOKENS.get(id(spec), spec), tuple(_leaf_signature(t) for t in leaves),
-                                  backend.autocast_state(), param_flags, _aliases(leaves)))
+                                  backend.autocast_state(), param_flags, aliases(leaves)))
 
 
 def static_copies(flat: Sequence[Any]) -> List[Any]:
