@@ -1077,6 +1077,20 @@ class TestModuleState:
         with pytest.raises(ng.GraphCaptureError, match=r"Lazy: its forward changes a Python attribute on every call"):
             ng.make_graphed_callables(Lazy(), (torch.randn(3, 4),))
 
+        class Unused(nn.Module):  # fails to capture after its first call made a setting and set another
+            def __init__(self):
+                super().__init__()
+                self.lin, self.dead, self.initialised = nn.Linear(4, 4), nn.Linear(4, 4), False
+
+            def forward(self, x):
+                self.initialised, self.seen = True, x.shape[0]
+                return self.lin(x)
+
+        model = Unused()
+        with pytest.raises(ng.GraphCaptureError, match="dead.weight"):
+            ng.make_graphed_callables(model, (torch.randn(3, 4),))
+        assert model.initialised is False
+
     def test_host_values_a_forward_writes_follow_each_signatures_replay(self):
         class Rotary(nn.Module):  # a cache grown inside the forward, with the length it holds (HF style)
             def __init__(self):

@@ -151,8 +151,10 @@ class WholeStepGrapher:
                 "does not flatten, so its tensors cannot be copied into the graph's static buffers; register it "
                 f"(torch.utils._pytree.register_dataclass({opaque[0]})) or return tuples and dicts from the DataLoader")
         clones: Dict[int, Any] = {}  # one copy per tensor: a batch [x, x] is one tensor in the graph too
-        self.static_leaves = [clones.setdefault(id(leaf), _clone(leaf)) if isinstance(leaf, torch.Tensor) else leaf
-                              for leaf in leaves]
+        for leaf in leaves:
+            if isinstance(leaf, torch.Tensor) and id(leaf) not in clones:
+                clones[id(leaf)] = _clone(leaf)
+        self.static_leaves = [clones[id(leaf)] if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves]
         versions = [getattr(leaf, "_version", None) for leaf in self.static_leaves]
         layouts = _layouts(self.static_leaves)
         key = batch_key(leaves, spec)

@@ -85,11 +85,14 @@ class ModuleSettings:
             self.find()
             return tuple(map(dict.__getitem__, self._dicts, self._keys))
 
-    def write(self, values: tuple) -> None:
-        """Put back settings as :meth:`read` gave them."""
-        if len(values) == len(self._keys):
-            for where, key, value in zip(self._dicts, self._keys, values):
-                where[key] = value
+    def snapshot(self) -> List[Tuple[dict, str, Any]]:
+        """The settings with where they live, for :meth:`put_back` (which later :meth:`find` calls do not move)."""
+        return list(zip(self._dicts, self._keys, self.read()))
+
+    @staticmethod
+    def put_back(snapshot: List[Tuple[dict, str, Any]]) -> None:
+        for where, key, value in snapshot:
+            where[key] = value
 
     @staticmethod
     def differ(a: tuple, b: tuple) -> bool:

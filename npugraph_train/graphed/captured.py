@@ -229,9 +229,10 @@ class CapturedSignature:
             outputs = self.owner.call_original(*args, **kwargs)
         # Host values the forward set (self.last_len = n, a grown cache's length): a replay sets them again, as
         # the forward would, so that they match the tensors this signature's replay binds.
-        owned = {id(m) for m in self.owner.submodules} | ({id(self.owner.func)} if self.owner.is_module else set())
+        # A graphed module's own submodules; any module a graphed function writes to.
+        owned = {id(m) for m in self.owner.func.modules()} if self.owner.is_module else None
         self.written_scalars = [(m, name, m.__dict__[name]) for m, name in dict.fromkeys(assigned)
-                                if id(m) in owned and type(m.__dict__.get(name)) in SCALAR_TYPES
+                                if (owned is None or id(m) in owned) and type(m.__dict__.get(name)) in SCALAR_TYPES
                                 and name not in MODULE_INTERNALS]
         flat, self.output_spec = tree_flatten(outputs)
         bad = [type(o).__name__ for o in flat if not isinstance(o, torch.Tensor) and o is not None]
@@ -376,7 +377,7 @@ class CapturedSignature:
 
 # nn.Module.__setattr__ records assignments for the captures under way on each thread (a capture's own forward
 # only), installed while any capture runs; a lock keeps captures on several threads from undoing each other.
-_setattr = nn.Module.__setattr__
+_setattr: Any = None  # what was installed when the first capture began (another library's patch, say)
 _recorders = threading.local()
 _recording_lock = threading.Lock()
 _recording_captures = 0
@@ -393,8 +394,10 @@ def _assignments() -> Iterator[List[Tuple[nn.Module, str]]]:
     """The (module, name) of every attribute this thread assigns to a module in the block."""
     global _recording_captures
     assigned: List[Tuple[nn.Module, str]] = []
+    global _setattr
     with _recording_lock:
         if _recording_captures == 0:
+            _setattr = nn.Module.__setattr__
             nn.Module.__setattr__ = _recording_setattr  # type: ignore[method-assign]
         _recording_captures += 1
     stack = _recorders.__dict__.setdefault("stack", [])
@@ -402,10 +405,10 @@ def _assignments() -> Iterator[List[Tuple[nn.Module, str]]]:
     try:
         yield assigned
     finally:
-        stack.remove(assigned)
+        stack.pop()  # captures on one thread end in the order they began
         with _recording_lock:
             _recording_captures -= 1
-            if _recording_captures == 0:
+            if _recording_captures == 0 and nn.Module.__setattr__ is _recording_setattr:
                 nn.Module.__setattr__ = _setattr  # type: ignore[method-assign]
 
 
@@ -445,7 +448,7 @@ def capture_signatures(sigs: Sequence[CapturedSignature], key_of: Dict[int, Sign
     buffers = [b for m in modules for b in m.buffers()]
     saved_buffers = [b.detach().clone() for b in buffers]
     before_warmup = [StateAttributes(m) for m in modules]
-    settings_before = [o.module_settings.read() for o in owners]
+    settings_before = [o.module_settings.snapshot() for o in owners]
     reads = StorageReads()
     attributes: Dict[int, StateAttributes] = {}
     cpu_rng, device_rng = torch.get_rng_state(), backend.get_rng_state()
@@ -499,11 +502,12 @@ def capture_signatures(sigs: Sequence[CapturedSignature], key_of: Dict[int, Sign
     except BaseException as exc:  # Ctrl-C or any error in a user's forward: warmup must leave no trace either
         try:
             restore()
-        except Exception as undo:  # the original error is the one to see
-            exc.add_note(f"npugraph_train could not undo the warmup: {type(undo).__name__}: {undo}")
+        except Exception as undo:  # the original error is the one to see (add_note: Python 3.11+)
+            getattr(exc, "add_note", lambda note: None)(
+                f"npugraph_train could not undo the warmup: {type(undo).__name__}: {undo}")
         finally:
             for owner, settings in zip(owners, settings_before):
-                owner.module_settings.write(settings)
+                owner.module_settings.put_back(settings)
             for s in sigs:
                 for g in (s.fwd_graph, s.bwd_graph):
                     if g.is_captured:
