@@ -955,18 +955,20 @@ def test_learning_rate_monitor_keeps_each_steps_learning_rate(tmp_path):
     from lightning.pytorch.callbacks import LearningRateMonitor
     from lightning.pytorch.loggers import CSVLogger
 
-    def run(callbacks):
+    def run(callbacks, convert=False):
         torch.manual_seed(0)
         monitor = LearningRateMonitor(logging_interval="step")
         trainer([monitor] + callbacks, max_steps=12, logger=CSVLogger(tmp_path), log_every_n_steps=1).fit(
-            Scheduled(convert=False), *loaders())
+            Scheduled(convert=convert), *loaders())
         assert "_extract_lr" not in vars(monitor), "the monitor is left as it was after fit"
         return monitor.lrs["lr-SGD"]
 
-    eager, graphed = run([]), run([NPUGraphCallback(mode="whole_step")])
-    # StepLR(4, 0.7); the converted optimizer's lr is float32, shown as its shortest decimal (0.035)
+    eager = run([])
+    # StepLR(4, 0.7); a converted optimizer's lr is float32, shown as its shortest decimal (0.035)
     assert eager == pytest.approx([0.05] * 4 + [0.035] * 4 + [0.0245] * 4)
-    assert graphed == pytest.approx(eager) and all(type(lr) is float for lr in graphed)
+    # converted by the callback (whole_step), or by the user (make_capturable) in submodules mode
+    for graphed in (run([NPUGraphCallback(mode="whole_step")]), run([NPUGraphCallback()], convert=True)):
+        assert graphed == pytest.approx(eager) and all(type(lr) is float for lr in graphed)
 
 
 def test_a_plain_optimizer_swapped_in_mid_fit_is_made_capture_safe():

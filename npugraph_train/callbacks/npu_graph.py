@@ -28,7 +28,7 @@ teardown; a resumed or second fit captures anew after its own warmup steps.
 """
 from __future__ import annotations
 
-from typing import Any, Dict, List, Mapping, Optional, Union
+from typing import Any, Callable, Dict, List, Mapping, Optional, Union
 
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
@@ -39,6 +39,7 @@ from ..config import NPUGraphConfig, unknown_settings_error
 from ..graphed.backends import backend_for_device
 from ..optim import make_capturable, plain_scheduler_state
 from .report import NOT_CAPTURED, format_report
+from .step_logs import monitor_plain_lrs
 from .step_setup import check_trainer
 from .submodules import SubmoduleGrapher
 from .whole_step import UPDATE_HOOK, WholeStepGrapher
@@ -75,6 +76,7 @@ class NPUGraphCallback(Callback):
         self._whole: Optional[WholeStepGrapher] = None
         self._step = 0
         self._fits_captured = 0
+        self._undo_monitors: Callable[[], None] = _nothing
 
     @classmethod
     def from_config(cls, cfg: Union[NPUGraphConfig, Mapping[str, Any], Any]) -> "NPUGraphCallback":
@@ -120,6 +122,9 @@ class NPUGraphCallback(Callback):
             self._grapher = SubmoduleGrapher(self.config, backend)
 
     def on_fit_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        if self._grapher is not None or self._whole is not None:
+            # Converted optimizers (whole_step's, or the user's make_capturable) keep lrs in device tensors.
+            self._undo_monitors = monitor_plain_lrs(trainer)
         if self._grapher is not None:
             # Not at setup: the module's own setup() and configure_model() build layers after callbacks' setup.
             self._grapher.setup(pl_module)
@@ -171,6 +176,8 @@ class NPUGraphCallback(Callback):
         self._release(trainer)
 
     def _release(self, trainer: "pl.Trainer") -> None:
+        self._undo_monitors()
+        self._undo_monitors = _nothing
         if self._grapher is not None:
             self._grapher.release()
         if self._whole is not None:
@@ -202,3 +209,7 @@ class NPUGraphCallback(Callback):
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
         self._fits_captured = state_dict.get("fits_captured", 0)
+
+
+def _nothing() -> None:
+    pass

@@ -42,7 +42,7 @@ from .batch import (MAX_CAPTURE_DELAY, VALUES_DIFFER, BatchKey, batch_key, descr
 from .report import ENDED_BEFORE_CAPTURE, NOT_CAPTURED
 from .step_checks import (BakedSetup, WatchedIndex, is_metric, python_outputs, rebinding_error,
                           watch_host_counters)
-from .step_logs import StepLogRecorder, monitor_plain_lrs
+from .step_logs import StepLogRecorder
 from .step_setup import check_schedulers
 
 # Recaptures in a row, each after at most one replay, after which the step runs eager for the rest of the fit.
@@ -94,7 +94,6 @@ class WholeStepGrapher:
         self._loop: Optional[_WholeStepOptimization] = None
         self._original_loop: Optional[_AutomaticOptimization] = None
         self._original_clip: Optional[Callable] = None
-        self._undo_monitors: Callable[[], None] = lambda: None
 
     # fit start: conversion -------------------------------------------------------------------------
     def prepare_optimizers(self, trainer: "pl.Trainer") -> None:
@@ -127,7 +126,6 @@ class WholeStepGrapher:
         self._original_clip = precision.__dict__.get("clip_grad_by_norm")
         precision.clip_grad_by_norm = lambda optimizer, clip_val: clip_grad_norm_(
             precision.main_params(optimizer), clip_val)
-        self._undo_monitors = monitor_plain_lrs(trainer)
 
     def uninstall(self, trainer: "pl.Trainer") -> None:
         if self._original_loop is not None:
@@ -138,7 +136,6 @@ class WholeStepGrapher:
             del precision.clip_grad_by_norm
             if self._original_clip is not None:
                 precision.clip_grad_by_norm = self._original_clip
-        self._undo_monitors()
 
     # capture and replay --------------------------------------------------------------------------
     def capture(self, loop: "_WholeStepOptimization", optimizer: Any, batch_idx: int, kwargs: OrderedDict,
