@@ -224,8 +224,8 @@ def check_settings(cfg: DictConfig) -> None:
     for section, valid in (("model", model), *SETTINGS.items()):
         unknown = [key for key in cfg[section] if key not in valid]
         if unknown:
-            raise MisconfigurationException(f"unknown {section} settings "
-                                            f"{', '.join(f'{section}.{k}' for k in unknown)}; valid: {', '.join(valid)}")
+            names = ", ".join(f"{section}.{key}" for key in unknown)
+            raise MisconfigurationException(f"unknown {section} settings {names}; valid: {', '.join(valid)}")
     for key in COUNTS:
         value = OmegaConf.select(cfg, key)
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:

@@ -179,7 +179,8 @@ def _replayed(fn):
 
 
 def test_ops_whose_output_shape_a_device_knows_are_captured():
-    x, idx, labels, reps = torch.randn(6, 5), torch.tensor([0, 3, 3, 1]), torch.tensor([4, 0, 2, 1]), torch.tensor([1, 2])
+    x, idx, labels = torch.randn(6, 5), torch.tensor([0, 3, 3, 1]), torch.tensor([4, 0, 2, 1])
+    reps = torch.tensor([1, 2])
     for fn in (lambda: x[idx], lambda: x[torch.arange(4), labels],
                lambda: x[:2].repeat_interleave(reps, dim=0, output_size=3)):
         out, eager = _replayed(fn)

@@ -1000,7 +1000,7 @@ class TestModuleState:
                 model.train()
         with pytest.warns(RuntimeWarning, match=r"Scaled: a buffer was rebound \(module.buf = ...\); fill it in place"):
             step()
-        with pytest.warns(RuntimeWarning, match=r"Scaled: a parameter's storage was replaced \(p.data = ...\); change "):
+        with pytest.warns(RuntimeWarning, match=r"Scaled: a parameter's storage was replaced \(p.data = ...\); "):
             ng.graphed_state(graphed)._warned.discard("recapture")
             step(lambda m: setattr(m.lin.weight, "data", nn.functional.normalize(m.lin.weight.data, dim=1)))
         step()

@@ -239,8 +239,8 @@ def _patch_accelerator_connector() -> None:
             setattr(connector, name, staticmethod(wrapper) if name == "_choose_auto_accelerator" else wrapper)
     missing = [name for name in names if originals[name] is None]
     if missing:
-        rank_zero_warn(f"This Lightning version has no _AcceleratorConnector.{', '.join(missing)}, so Trainer() may not "
-                       "choose the NPU, place the model on it or autocast there; pass accelerator='npu', "
+        rank_zero_warn(f"This Lightning version has no _AcceleratorConnector.{', '.join(missing)}, so Trainer() may "
+                       "not choose the NPU, place the model on it or autocast there; pass accelerator='npu', "
                        "strategy='npu_single' and plugins=MixedPrecision(..., device='npu') explicitly.")
 
 
