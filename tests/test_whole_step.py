@@ -1040,14 +1040,17 @@ class KeepsStepValues(Scheduled):
         self.kept.append((self.last_loss, batch[0].sum()))
 
 
+def _list_batches():
+    """The training batches as lists, which a step can change."""
+    return torch.utils.data.DataLoader(loaders()[0].dataset, batch_size=8, collate_fn=lambda rows: [
+        torch.stack([r[0] for r in rows]), torch.stack([r[1] for r in rows])])
+
+
 def test_what_the_step_writes_reaches_later_hooks_as_in_eager():
     def run(callbacks):
         torch.manual_seed(0)
         model = KeepsStepValues()
-        train = loaders()[0]
-        train = torch.utils.data.DataLoader(train.dataset, batch_size=8, collate_fn=lambda rows: [
-            torch.stack([r[0] for r in rows]), torch.stack([r[1] for r in rows])])
-        trainer(callbacks, max_steps=8, val_check_interval=None, limit_val_batches=0).fit(model, train)
+        trainer(callbacks, max_steps=8, val_check_interval=None, limit_val_batches=0).fit(model, _list_batches())
         return model
 
     eager, graphed = run([]), run([NPUGraphCallback(mode="whole_step")])
@@ -1057,9 +1060,7 @@ def test_what_the_step_writes_reaches_later_hooks_as_in_eager():
 
 
 def test_a_step_that_adds_to_its_batch_warns_one_that_reshapes_it_in_place_is_refused():
-    train = loaders()[0]
-    train = torch.utils.data.DataLoader(train.dataset, batch_size=8, collate_fn=lambda rows: [
-        torch.stack([r[0] for r in rows]), torch.stack([r[1] for r in rows])])
+    train = _list_batches()
     with pytest.warns(UserWarning, match=r"training_step adds, removes or replaces entries of its batch.*Return such "
                                          r"values from training_step instead"):
         trainer([NPUGraphCallback(mode="whole_step")], max_steps=8).fit(KeepsStepValues(adds_entry=True), train)

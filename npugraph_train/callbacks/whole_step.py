@@ -34,6 +34,7 @@ from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 from ..config import NPUGraphConfig
 from ..graphed import Graph, GraphCaptureError, graph
 from ..graphed.backends import Backend
+from ..graphed.signatures import static_copies
 from ..graphed.state_attributes import StateAttributes, tensors_in
 from ..graphed.user_code import warn_at_user_code
 from ..optim import check_capture_safe, clip_grad_norm_, make_capturable, unwrap
@@ -147,11 +148,7 @@ class WholeStepGrapher:
                 f"NPUGraphCallback(mode='whole_step'): the batch holds a {opaque[0]} dataclass, which torch's pytree "
                 "does not flatten, so its tensors cannot be copied into the graph's static buffers; register it "
                 f"(torch.utils._pytree.register_dataclass({opaque[0]})) or return tuples and dicts from the DataLoader")
-        clones: Dict[int, Any] = {}  # one copy per tensor: a batch [x, x] is one tensor in the graph too
-        for leaf in leaves:
-            if isinstance(leaf, torch.Tensor) and id(leaf) not in clones:
-                clones[id(leaf)] = _clone(leaf)
-        self.static_leaves = [clones[id(leaf)] if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves]
+        self.static_leaves = static_copies(leaves)  # one per tensor: a batch [x, x] is one tensor in the graph too
         versions = [getattr(leaf, "_version", None) for leaf in self.static_leaves]
         layouts = _layouts(self.static_leaves)
         key = batch_key(leaves, spec)

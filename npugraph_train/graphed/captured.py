@@ -23,7 +23,7 @@ from .errors import GraphCaptureError, GraphStateError
 from .graphs import Graph, graph
 from .signatures import Signature, describe_signature, unique_tensors
 from .state_attributes import (MODULE_INTERNALS, SCALAR_TYPES, StateAttributes, StorageReads, carried_state_message,
-                               tensors_in)
+                               storage_address, tensors_in)
 
 if TYPE_CHECKING:
     from .callables import GraphedCallable
@@ -219,8 +219,9 @@ class CapturedSignature:
         saved: Dict[int, StorageWeakRef] = {}
 
         def pack(t: torch.Tensor) -> torch.Tensor:
-            if t.numel() and _storage_key(t) is not None:  # empty tensors all have address 0
-                saved[_storage_key(t)] = StorageWeakRef(t.untyped_storage())
+            address = storage_address(t)  # None for empty tensors, which all have address 0
+            if address is not None:
+                saved[address] = StorageWeakRef(t.untyped_storage())
             return t
 
         with graph(self.fwd_graph, pool=self.pool, capture_error_mode=self.owner.capture_error_mode,
@@ -245,7 +246,7 @@ class CapturedSignature:
         # changes the gradients, which eager autograd refuses through version counters; so is it here.
         # Only storages still alive: on a device, a freed one's memory may be reused by an output.
         live = {key for key, ref in saved.items() if not ref.expired()}
-        self.outputs_read_by_backward = tuple(o for o in self.static_outputs if o.numel() and _storage_key(o) in live)
+        self.outputs_read_by_backward = tuple(o for o in self.static_outputs if storage_address(o) in live)
 
     def capture_backward(self) -> None:
         self.static_grad_outputs = tuple(torch.empty_like(o) if o.requires_grad else None
@@ -410,13 +411,6 @@ def _assignments() -> Iterator[List[Tuple[nn.Module, str]]]:
             _recording_captures -= 1
             if _recording_captures == 0 and nn.Module.__setattr__ is _recording_setattr:
                 nn.Module.__setattr__ = _setattr  # type: ignore[method-assign]
-
-
-def _storage_key(t: torch.Tensor) -> Any:
-    try:
-        return t.untyped_storage().data_ptr()
-    except (RuntimeError, NotImplementedError):  # tensors without storage (sparse, some subclasses)
-        return None
 
 
 class _NoBackward(torch.autograd.Function):

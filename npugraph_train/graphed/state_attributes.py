@@ -80,7 +80,7 @@ def _refill(value: Any, snapshot: _Snapshot) -> None:
         value.update(contents)
 
 
-def _storage(t: torch.Tensor) -> Optional[int]:
+def storage_address(t: torch.Tensor) -> Optional[int]:
     # Wrapper subclasses (float8 tensors), sparse and empty tensors have no storage address to compare.
     if not torch._C._has_storage(t) or t.layout != torch.strided or t.numel() == 0:
         return None
@@ -119,7 +119,7 @@ class StorageReads(TorchDispatchMode):
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
         for leaf in tree_flatten((args, kwargs))[0]:
             if isinstance(leaf, torch.Tensor):
-                self.read.add(_storage(leaf))
+                self.read.add(storage_address(leaf))
         return func(*args, **(kwargs or {}))
 
 
@@ -140,7 +140,7 @@ class StateAttributes:
         # Storages every step reads for their own sake: an attribute holding a view of one of them (self.wt =
         # self.w.t(), self.m = self.mask[:n]) is recomputed from it, not state carried over.
         own_tensors = list(itertools.chain(root.parameters(), root.buffers()))
-        self._own = {_storage(t) for t in own_tensors}
+        self._own = {storage_address(t) for t in own_tensors}
         self._own_ids = {id(t) for t in own_tensors}
         # (module path, module, "_buffers" or "__dict__", attribute, value, its snapshot)
         self._before: List[Tuple[str, torch.nn.Module, str, str, Any, _Snapshot]] = []
@@ -177,7 +177,7 @@ class StateAttributes:
         after each step (``self.log("prev", self.prev); self.prev = loss``), which a replay would not refresh.
         ``inputs``: the capture's static inputs (``self.last_x = x.detach()`` only writes).
         """
-        own = self._own = self._own | {_storage(t) for t in inputs}
+        own = self._own = self._own | {storage_address(t) for t in inputs}
         carried = []
         for path, module, where, attr, value, snapshot in self._before:
             now = getattr(module, where).get(attr)
@@ -196,8 +196,8 @@ class StateAttributes:
             moved = [t for t in old if any(t is a for a in after)]  # a shifted window
             # A registered buffer rebound is state even though every step reads its storage (unless it is
             # only a view of another buffer or a parameter: self.mask = self.full_mask[:n]).
-            read = [t for t in old if (_storage(t) is not None and _storage(t) in self.reads.read and (
-                _storage(t) not in own or (where == "_buffers" and t is value and id(t._base) not in self._own_ids)))
+            read = [t for t in old if (storage_address(t) is not None and storage_address(t) in self.reads.read and (
+                storage_address(t) not in own or (where == "_buffers" and t is value and id(t._base) not in self._own_ids)))
                 or any(t is e for e in escaped)]
             if grew or moved or read:
                 carried.append(f"{path}.{attr}" if path else attr)
@@ -213,7 +213,7 @@ class StateAttributes:
         tensor are freed once the backward is captured, and gradients reach a graph's inputs only through its
         outputs. Views of parameters, buffers and inputs (``self.wt = self.w.t()``) save nothing: left alone."""
         for i, (path, module, where, attr, value, snapshot) in enumerate(self.written):
-            if isinstance(value, torch.Tensor) and value.requires_grad and _storage(value) not in self._own:
+            if isinstance(value, torch.Tensor) and value.requires_grad and storage_address(value) not in self._own:
                 guarded = guard(value, f"{path}.{attr}" if path else attr)
                 self.written[i] = (path, module, where, attr, guarded, snapshot)
                 getattr(module, where)[attr] = guarded
