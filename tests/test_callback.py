@@ -309,6 +309,28 @@ def test_capture_waits_when_the_recorded_batch_is_short():
         assert sum(n for r, n in row["eager_calls"].items() if "6, 8" in r) == 3
 
 
+class _TwoBatchesPerEpoch(Regressor):
+    def on_train_batch_start(self, batch, batch_idx):
+        return -1 if batch_idx >= 2 else None  # Lightning skips the rest of the epoch
+
+
+def test_a_skipped_recording_step_records_again():
+    # Two steps per epoch. warmup_steps=3 records at the third batch of epoch 1, which Lightning skips: its hooks
+    # must not stay on, and the next step (epoch 2's first) records again; step 3 captures. warmup_steps=4
+    # captures at a batch that is then skipped: the graphs replay from the next step on.
+    torch.manual_seed(0)
+    eager = _TwoBatchesPerEpoch()
+    trainer([], max_steps=-1, max_epochs=5).fit(eager, *loaders())
+    for warmup_steps in (3, 4):
+        callback = NPUGraphCallback(warmup_steps=warmup_steps)
+        torch.manual_seed(0)
+        graphed = _TwoBatchesPerEpoch()
+        t = trainer([callback], max_steps=-1, max_epochs=5)
+        t.fit(graphed, *loaders())
+        assert t.global_step == 10 and _same_params(eager, graphed)
+        assert [row["replays"] for row in callback.report()] == [10 - warmup_steps] * 2
+
+
 def test_detect_anomaly_is_refused_at_fit_start():
     with pytest.raises(MisconfigurationException, match=r"mode='submodules'\) cannot capture with Trainer\(detect_an"):
         fit(callbacks=[NPUGraphCallback()], detect_anomaly=True, max_steps=2)

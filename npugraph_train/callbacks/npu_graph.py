@@ -155,6 +155,10 @@ class NPUGraphCallback(Callback):
                            batch: Any, batch_idx: int) -> None:
         self._step += 1
         if self._grapher is not None:
+            self._grapher.stop_recording(step_ended=True)
+
+    def on_train_epoch_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        if self._grapher is not None:  # a skipped recording step (on_train_batch_start returned -1) left hooks on
             self._grapher.stop_recording()
 
     def on_train_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
