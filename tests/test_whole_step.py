@@ -622,6 +622,54 @@ def test_rebinding_with_on_failure_eager_runs_eager_like_plain_lightning():
     assert _same(eager, graphed) and torch.equal(eager.ema, graphed.ema)
 
 
+class CountsSamples(Scheduled):
+    """Keeps a Python counter on the module, as a step that counts samples seen does."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.samples_seen = 0
+
+    def training_step(self, batch, batch_idx):
+        self.samples_seen += batch[0].shape[0]
+        self.first_seen = getattr(self, "first_seen", True)  # set once, by the first step: no state carried
+        return super().training_step(batch, batch_idx)
+
+
+def test_python_counters_changed_by_the_step_are_refused_and_left_as_before():
+    torch.manual_seed(0)
+    model = CountsSamples()
+    with pytest.raises(ngt.GraphCaptureError, match=r"changes Python attributes of the module: samples_seen "
+                                                    r"\(24 -> 32\)\. .*tensor buffer.*on_train_batch_end"):
+        trainer([NPUGraphCallback(mode="whole_step")], max_steps=6).fit(model, *loaders())
+    assert model.samples_seen == 24, "what the 3 warmup steps counted; not the capture step"
+    eager = _train_only(CountsSamples, [])
+    with pytest.warns(UserWarning, match="capture failed, runs eager.*samples_seen"):
+        graphed = _train_only(CountsSamples, [NPUGraphCallback(mode="whole_step", on_failure="eager")])
+    assert graphed.samples_seen == eager.samples_seen == 64 and _same(eager, graphed)
+
+
+class StepsSchedulerInStep(Scheduled):
+    def training_step(self, batch, batch_idx):
+        self.lr_schedulers().step()
+        return super().training_step(batch, batch_idx)
+
+    def configure_optimizers(self):
+        opt = make_capturable(torch.optim.SGD(self.parameters(), lr=0.05))
+        return {"optimizer": opt, "lr_scheduler": torch.optim.lr_scheduler.LambdaLR(opt, lambda k: 1 / (k + 1))}
+
+
+def test_a_scheduler_stepped_inside_training_step_is_refused():
+    eager = _train_only(StepsSchedulerInStep, [])
+    with pytest.raises(ngt.GraphCaptureError, match=r"steps the learning-rate scheduler LambdaLR at .*test_whole_"
+                                                    r"step.py:\d+: +self.lr_schedulers\(\).step\(\).*'interval': 'step'"):
+        _train_only(StepsSchedulerInStep, [NPUGraphCallback(mode="whole_step")])
+    with pytest.warns(UserWarning, match="capture failed, runs eager.*LambdaLR"):
+        graphed = _train_only(StepsSchedulerInStep, [NPUGraphCallback(mode="whole_step", on_failure="eager")])
+    assert _same(eager, graphed)
+    assert graphed.lr_schedulers().last_epoch == eager.lr_schedulers().last_epoch == 8
+    assert "step" not in vars(graphed.lr_schedulers()), "the scheduler's own step is back"
+
+
 class ManualLr(Scheduled):
     """Sets the learning rate itself before each step (a warmup), as a float or as a new tensor."""
 

@@ -25,7 +25,7 @@ from torch.utils.hooks import RemovableHandle
 from ..graphed import GraphCaptureError
 from ..graphed.callables import GLOBAL_HOOK_KINDS, MODULE_HOOK_KINDS
 from ..graphed.state_attributes import carried_state_message
-from ..graphed.user_code import user_frame
+from ..graphed.user_code import user_frame, user_source_line
 
 
 def is_metric(value: Any) -> bool:
@@ -45,6 +45,19 @@ def rebinding_error(root: torch.nn.Module, names: List[str]) -> GraphCaptureErro
         "training_step", "step", names, "Update such state in place (e.g. self.ema.mul_(0.9).add_(loss.detach(), "
         "alpha=0.1), self.hidden[0].copy_(h.detach())), or outside training_step (e.g. in on_train_batch_end, "
         f"from the outputs training_step returns).{metric_fix}"), module_name="training_step")
+
+
+def python_state_error(changed: List[str]) -> Optional[GraphCaptureError]:
+    """The refusal of a step that changed the modules' host values (``ModuleSettings.changed_since``), if any."""
+    if not changed:
+        return None
+    shown = ", ".join(changed[:5]) + (f" and {len(changed) - 5} more" if len(changed) > 5 else "")
+    return GraphCaptureError(
+        f"training_step changes Python attributes of the module: {shown}. A replay runs no Python, so they would "
+        "keep their values from the capture step (a counter such as self.seen += n would stop counting). Keep "
+        "such state in a tensor buffer updated in place (self.seen.add_(n)), or update it outside training_step "
+        "(in on_train_batch_end, from the outputs training_step returns). The attributes are left as before the "
+        "capture", module_name="training_step")
 
 
 _HOST_COUNTERS = ("global_step", "current_epoch")
@@ -72,6 +85,37 @@ def watch_host_counters(on_read: Callable[[str, Any], None]) -> Iterator[None]:
     finally:
         for (cls, name), prop in originals.items():
             setattr(cls, name, prop)
+
+
+@contextlib.contextmanager
+def refuse_scheduler_steps(trainer: "pl.Trainer") -> Iterator[None]:
+    """Raise ``GraphCaptureError`` when the captured step steps one of the trainer's schedulers
+    (``self.lr_schedulers().step()``): replays run no Python, so the learning rate would keep its capture value.
+    For the capture only (each scheduler's ``step`` is shadowed on the instance, then restored)."""
+    schedulers = {id(config.scheduler): config.scheduler for config in trainer.lr_scheduler_configs}.values()
+    missing = object()
+    kept = [(scheduler, scheduler.__dict__.get("step", missing)) for scheduler in schedulers]
+
+    def refused(scheduler: Any) -> Callable:
+        def step(*args: Any, **kwargs: Any) -> None:
+            raise GraphCaptureError(
+                f"training_step steps the learning-rate scheduler {type(scheduler).__name__} at {user_source_line()}: "
+                "a replay runs no Python, so the learning rate would keep its value from the capture step. Let "
+                "Lightning step it after each step: return {'optimizer': ..., 'lr_scheduler': {'scheduler': ..., "
+                "'interval': 'step'}} from configure_optimizers (or step it in on_train_batch_end)",
+                module_name="training_step")
+        return step
+
+    for scheduler, _ in kept:
+        scheduler.step = refused(scheduler)
+    try:
+        yield
+    finally:
+        for scheduler, own in kept:
+            if own is missing:
+                del scheduler.step
+            else:
+                scheduler.step = own
 
 
 class WatchedIndex(int):

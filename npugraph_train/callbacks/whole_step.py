@@ -34,6 +34,7 @@ from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 from ..config import NPUGraphConfig
 from ..graphed import Graph, GraphCaptureError, graph
 from ..graphed.backends import Backend
+from ..graphed.callables import ModuleSettings
 from ..graphed.signatures import static_copies
 from ..graphed.state_attributes import StateAttributes, tensors_in
 from ..graphed.user_code import warn_at_user_code
@@ -42,7 +43,7 @@ from .batch import (MAX_CAPTURE_DELAY, VALUES_DIFFER, BatchKey, batch_key, descr
                     values_differ)
 from .report import ENDED_BEFORE_CAPTURE, NOT_CAPTURED
 from .step_checks import (BakedSetup, WatchedIndex, is_metric, python_outputs, rebinding_error,
-                          watch_host_counters)
+                          python_state_error, refuse_scheduler_steps, watch_host_counters)
 from .step_logs import StepLogRecorder
 from .step_setup import check_schedulers
 
@@ -58,6 +59,10 @@ def _layouts(leaves: List[Any]) -> List[Any]:
 
 def _clone(value: Any) -> Any:
     return value.clone() if isinstance(value, torch.Tensor) else value
+
+
+# What Lightning keeps in a LightningModule (the hook being run, flags): set around the step, not by it.
+LIGHTNING_INTERNALS = frozenset(vars(pl.LightningModule())) - {"training"}
 
 
 class WholeStepGrapher:
@@ -162,13 +167,15 @@ class WholeStepGrapher:
         self.graph = Graph(self.backend)
         progress = copy.deepcopy(loop.optim_progress.state_dict())
         attributes = StateAttributes(module, holders=is_metric)
+        settings = ModuleSettings(module, LIGHTNING_INTERNALS)  # host values: counters the step would keep there
+        settings_before = settings.snapshot()
         opt = unwrap(optimizer)
         had_state = set(opt.state)
         failure: Optional[GraphCaptureError] = None
         result: Dict[str, Any] = {}
         started = time.perf_counter()
         try:
-            with watch_host_counters(self._warn_host_read), graph(
+            with watch_host_counters(self._warn_host_read), refuse_scheduler_steps(loop.trainer), graph(
                     self.graph, capture_error_mode=self.config.capture_error_mode,
                     auto_dispatch_capture=self.config.auto_dispatch_capture), attributes.reads:
                 result = _AutomaticOptimization.run(loop, optimizer, batch_idx, static_kwargs)
@@ -182,7 +189,8 @@ class WholeStepGrapher:
             if isinstance(static_kwargs.get("batch_idx"), WatchedIndex):
                 static_kwargs["batch_idx"].stop_watching()
         carried_failure = rebinding_error(module, carried) if failure is None and carried else None
-        failure = failure or carried_failure or self._batch_reshaped(layouts)
+        failure = (failure or carried_failure or self._batch_reshaped(layouts)
+                   or python_state_error(settings.changed_since(settings_before)))
         self._warn_if_batch_changed(static_kwargs["batch"], spec)
         self.written_leaves = [i for i, (leaf, version) in enumerate(zip(self.static_leaves, versions))
                                if isinstance(leaf, torch.Tensor) and leaf._version != version]
@@ -197,6 +205,7 @@ class WholeStepGrapher:
             # from one that only writes them.
             self._waited_for_filled = True
             attributes.restore()
+            settings.restore(settings_before)  # the step runs again eager: its Python must find them as before
             self.graph = None
             loop.optim_progress.load_state_dict(progress)
             return loop.eager_step(optimizer, batch_idx, kwargs, f"capture waits: {', '.join(attributes.filled)} "
@@ -205,11 +214,13 @@ class WholeStepGrapher:
                                    kind="filled")
         if failure is None and fresh:
             self.graph = None
+            settings.restore(settings_before)
             loop.optim_progress.load_state_dict(progress)
             return loop.eager_step(optimizer, batch_idx, kwargs, "capture waits for an eager step to create the "
                                    "optimizer state of newly trained parameters")
         if failure is not None:
             self.graph = None
+            settings.restore(settings_before)
             if self.config.on_failure == "raise":
                 raise GraphCaptureError(f"capturing the training step failed: {failure}",
                                         module_name="training_step") from failure
