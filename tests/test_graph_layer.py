@@ -200,6 +200,61 @@ def test_masked_put_of_several_values_is_refused_one_value_is_masked_fill():
     assert torch.equal(x[:, 0], torch.tensor([2.0, 0.0, 2.0, 0.0]))
 
 
+_SPD = torch.eye(4) * 4 + torch.ones(4, 4)
+_LENGTHS = torch.tensor([4, 3, 2, 1])
+
+
+@pytest.mark.parametrize("op, why", [
+    (lambda: torch.linalg.cholesky(_SPD), "_linalg_check_errors.*cholesky_ex"),
+    (lambda: torch.linalg.inv(_SPD), "_linalg_check_errors.*inv_ex"),
+    (lambda: torch.linalg.cholesky_ex(_SPD, check_errors=True), "check_errors=True"),
+    (lambda: torch.linalg.eigh(_SPD), "_linalg_eigh.*convergence"),
+    (lambda: torch.linalg.svdvals(_SPD), "_linalg_svd"),
+    (lambda: torch.linalg.pinv(_SPD), "linalg_pinv"),
+    (lambda: torch.linalg.matrix_exp(_SPD), "matrix_exp"),
+    (lambda: torch.histc(_SPD, bins=4), "histc without a range.*pass min and max"),
+    (lambda: torch.tensor(2.0, device=_SPD.device), r"torch.tensor\(..., device=...\) copies host data"),
+    (lambda: nn.utils.rnn.pack_padded_sequence(_SPD[:, :, None], _LENGTHS),
+     "pack_padded_sequence takes its output shape"),
+])
+def test_ops_whose_device_kernels_read_on_the_host_are_refused(op, why):
+    # On CPU these read their data inside ATen, out of the recorder's sight; a device capture fails on them.
+    with pytest.raises(GraphCaptureError, match=f"reads tensor data on the host on a device.*{why}|{why}"):
+        _replayed(op)
+
+
+def test_the_ex_variants_a_device_captures_are_accepted():
+    for op in (lambda: torch.linalg.cholesky_ex(_SPD).L, lambda: torch.linalg.inv_ex(_SPD).inverse,
+               lambda: torch.histc(_SPD, bins=4, min=0, max=5), lambda: torch.full((), 2.0, device=_SPD.device),
+               lambda: _SPD * torch.tensor(2.0)):  # a host scalar operand: a kernel argument
+        out, eager = _replayed(op)
+        assert torch.equal(out, eager)
+
+
+def test_transformer_padding_mask_fast_path_is_refused_at_its_nested_tensor():
+    layer = nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, batch_first=True)
+    mask = torch.tensor([[False] * 5, [False] * 3 + [True] * 2])
+    x = torch.randn(2, 5, 8)
+    with torch.no_grad():
+        with pytest.raises(GraphCaptureError, match="nested tensor.*enable_nested_tensor=False"):
+            _replayed(lambda: nn.TransformerEncoder(layer, 2).eval()(x, src_key_padding_mask=mask))
+        encoder = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False).eval()
+        out, eager = _replayed(lambda: encoder(x, src_key_padding_mask=mask))
+    # The emulator's torch-function mode turns off the fused fast path at capture: float rounding differs.
+    assert torch.allclose(out, eager, atol=1e-5)
+
+
+def test_device_side_asserts_are_replayed():
+    x = torch.ones(3)
+    g = ng.Graph()
+    with ng.graph(g):
+        torch._assert_async((x > 0).all(), "x must be positive")
+    g.replay()
+    x.fill_(-1.0)
+    with pytest.raises(RuntimeError, match="x must be positive"):
+        g.replay()
+
+
 def test_empty_outputs_and_out_tensors_that_grow():
     a, empty, b = torch.ones(3), torch.empty(0), torch.full((2,), 5.0)
     out, eager = _replayed(lambda: torch._foreach_mul([a, empty, b], 2.0))

@@ -27,9 +27,13 @@ What it models, as a device graph behaves:
   (``x[mask]``; integer indices and ``repeat_interleave(..., output_size=n)`` are captured), putting values
   through a mask other than one number through a lone mask (``x[mask] = values``, ``x[mask, idx] = 0``),
   ``synchronize()``) raise ``GraphCaptureError``
-  naming the op and the user's source line. So does ``torch.tensor(...)``/``as_tensor`` of host data
-  with at least one dimension, which on a device is a host-to-device copy that breaks capture (0-dim
-  values pass: kernels take such scalars from the host at capture time).
+  naming the op and the user's source line. So do ops whose device kernels read on the host inside ATen,
+  where a CPU run shows nothing: the error checks of ``torch.linalg`` (``cholesky``, ``inv``, ``solve``,
+  ``eigh``, ``svd``, ``pinv``, ``eig``, ``matrix_exp``, ``check_errors=True``; the ``_ex`` variants pass),
+  ``histc`` without a range, nested tensors built from a mask (``nn.TransformerEncoder``'s fast path) and
+  ``pack_padded_sequence``. So does ``torch.tensor(...)``/``as_tensor`` of host data with at least one
+  dimension, or with ``device=``, which on a device is a host-to-device copy that breaks capture (0-dim
+  values without a device pass: kernels take such scalars from the host at capture time).
 - With ``auto_dispatch_capture=True``, ops with a registered handler
   (:mod:`npugraph_train.graphed.handlers`) are recorded with their host arguments, which ``update()``
   rewrites for the next replays, as torch_npu's NPUGraph update does.
@@ -41,7 +45,12 @@ sharing between graphs of one pool (each capture keeps its own tensors alive), c
 threads (``capture_error_mode`` is validated but other threads are not watched), ``.to("cpu")`` (a
 no-op on CPU tensors, a device-to-host copy on a device), device-specific kernel
 limits (aclop-only ops, dynamic-shape kernels, stream budgets) and numerical differences between
-device kernels. Explicit ``torch.Generator`` objects are not rewound at ``capture_end``.
+device kernels. Explicit ``torch.Generator`` objects are not rewound at ``capture_end``. A 0-dim CPU tensor
+used as an operand is read again by each replay, where a device kernel keeps its capture-time value. Code
+compiled with ``torch.compile`` runs eager inside a capture, so the verdict is about the eager code. Fused
+fast paths that step aside for torch-function modes (``nn.MultiheadAttention`` and
+``nn.TransformerEncoderLayer`` in eval without grad) take their standard path at capture: replays match
+eager up to float rounding there, not bitwise.
 """
 from __future__ import annotations
 
@@ -68,10 +77,36 @@ _pool_ids = itertools.count(1)
 
 # Ops that read device data on the host, beyond those tagged data-dependent by ATen.
 _HOST_SYNC_OPS = {torch.ops.aten.is_nonzero.default}
+aten = torch.ops.aten
+# Ops whose device kernels read device data on the host inside ATen, where the recorder does not see it
+# (torch documents these as synchronizing on CUDA), with what to use instead.
+_HIDDEN_HOST_READS = {
+    aten._linalg_check_errors: "the error check of torch.linalg.cholesky/inv/solve/lu_factor/inverse reads the "
+                               "info codes on the host; use the _ex variants (torch.linalg.cholesky_ex(A).L, inv_ex, "
+                               "solve_ex, lu_factor_ex) with check_errors=False and check info outside the graph",
+    aten._linalg_eigh: "torch.linalg.eigh/eigvalsh check convergence on the host",
+    aten._linalg_svd: "torch.linalg.svd/svdvals (and pinv, matrix_norm(ord=2), matrix_rank) check convergence on "
+                      "the host",
+    aten.linalg_pinv: "torch.linalg.pinv checks its decomposition's convergence on the host",
+    aten.linalg_eig: "torch.linalg.eig/eigvals compute on the host on CUDA",
+    aten.linalg_eigvals: "torch.linalg.eig/eigvals compute on the host on CUDA",
+    aten.cholesky: "torch.cholesky checks its result on the host; use torch.linalg.cholesky_ex(A).L",
+    aten.linalg_matrix_exp: "torch.linalg.matrix_exp reads the matrix norm on the host to choose its degree",
+    aten._nested_tensor_from_mask: "building a nested tensor from a mask reads the mask on the host "
+                                   "(nn.TransformerEncoder's fast path in eval with src_key_padding_mask: pass "
+                                   "enable_nested_tensor=False)",
+    aten._nested_tensor_from_mask_left_aligned: "checking a padding mask for a nested tensor reads it on the host "
+                                                "(nn.TransformerEncoder's fast path in eval with src_key_padding_mask: "
+                                                "pass enable_nested_tensor=False)",
+    aten._nested_from_padded: "building a nested tensor reads sizes on the host",
+    aten._pack_padded_sequence: "pack_padded_sequence takes its output shape from lengths on the host; pad to a "
+                                "fixed length and mask instead, or pack outside the graph",
+}
 _HOST_DATA_OPS = {torch.ops.aten.lift_fresh.default, torch.ops.aten.lift_fresh_copy.default}
 # Ops that write arguments their schema does not mark as written (argument positions).
 _UNANNOTATED_WRITES = {torch.ops.aten.native_batch_norm.default: (3, 4)}
 # Tensor methods that read data on the host without dispatching an ATen op (printing disables modes).
+_HOST_DATA_FUNCTIONS = {torch.tensor, torch.as_tensor, torch.asarray}
 _HOST_READ_METHODS = {torch.Tensor.tolist, torch.Tensor.numpy, torch.Tensor.__array__, torch.Tensor.__repr__,
                       torch.Tensor.__str__, torch.Tensor.__format__, torch.Tensor.cpu}
 
@@ -164,6 +199,10 @@ class _HostReadGuard(TorchFunctionMode):
         if func in _HOST_READ_METHODS:
             what = "printing a tensor" if func.__name__.startswith("__") else f"Tensor.{func.__name__}()"
             raise _capture_error(f"{what} reads tensor data on the host")
+        if func in _HOST_DATA_FUNCTIONS and (kwargs or {}).get("device") is not None and args \
+                and not isinstance(args[0], torch.Tensor):
+            # Host data on the device: a copy that breaks capture (CUDA: pytorch#168991), also for one number.
+            raise _capture_error(f"torch.{func.__name__}(..., device=...) copies host data to the device")
         if func is torch.nn.functional.one_hot:
             return _one_hot(*args, **(kwargs or {}))
         return func(*args, **(kwargs or {}))
@@ -190,6 +229,9 @@ class _Recorder(TorchDispatchMode):
                                  f"or a Python `if`/`while` on a tensor; op {func})")
         if func in _HOST_SYNC_OPS or torch.Tag.data_dependent_output in func.tags:
             raise _capture_error(f"op {func} reads tensor data on the host")
+        hidden = _hidden_host_read(func, args, kwargs)
+        if hidden:
+            raise _capture_error(f"op {func} reads tensor data on the host on a device ({hidden})")
         if torch.Tag.dynamic_output_shape in func.tags and not _shape_given(func, args, kwargs):
             raise _capture_error(f"op {func} has an output shape that depends on tensor data")
         if func in _INDEX_PUT_OPS and _mask_needs_indices(args, kwargs):
@@ -213,6 +255,24 @@ class _Recorder(TorchDispatchMode):
             self.graph._record(func, args, kwargs, out, functools.partial(func, *snap_args, **snap_kwargs))
             return out
         return self.graph._record_updatable(func, args, kwargs, handler)
+
+
+def _argument(func: Any, args: tuple, kwargs: dict, name: str, default: Any = None) -> Any:
+    for index, argument in enumerate(func._schema.arguments):
+        if argument.name == name:
+            return args[index] if index < len(args) else kwargs.get(name, default)
+    return default
+
+
+def _hidden_host_read(func: Any, args: tuple, kwargs: dict) -> Optional[str]:
+    if func.overloadpacket in _HIDDEN_HOST_READS:
+        return _HIDDEN_HOST_READS[func.overloadpacket]
+    if _argument(func, args, kwargs, "check_errors") is True:  # cholesky_ex(..., check_errors=True) and the like
+        return "check_errors=True reads the info codes on the host; leave it False and check info outside the graph"
+    if func.overloadpacket is aten.histc and _argument(func, args, kwargs, "min", 0) == _argument(
+            func, args, kwargs, "max", 0):
+        return "torch.histc without a range reads the data's min and max on the host; pass min and max"
+    return None
 
 
 def _is_mask(index: Any) -> bool:
@@ -363,8 +423,8 @@ class EmulatedGraph:
         # Positions among the fresh returns, as replay finds them again (an empty tensor's data_ptr is 0,
         # so an empty output matches an empty input and is left out, while the outputs after it are not).
         kept = [n for n, t in enumerate(returned) if _storage_key(t) not in inputs]
-        if not writes and not kept:
-            return  # a view: it aliases captured memory already
+        if not writes and not kept and schema.returns:
+            return  # a view: it aliases captured memory already (ops returning nothing, _assert_async, replay)
         for n in kept:
             key = _storage_key(returned[n])
             if key not in self._born:
