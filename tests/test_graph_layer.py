@@ -226,7 +226,7 @@ def test_ops_whose_device_kernels_read_on_the_host_are_refused(op, why):
 def test_the_ex_variants_a_device_captures_are_accepted():
     for op in (lambda: torch.linalg.cholesky_ex(_SPD).L, lambda: torch.linalg.inv_ex(_SPD).inverse,
                lambda: torch.histc(_SPD, bins=4, min=0, max=5), lambda: torch.full((), 2.0, device=_SPD.device),
-               lambda: _SPD * torch.tensor(2.0)):  # a host scalar operand: a kernel argument
+               lambda: _SPD * torch.tensor(2.0), lambda: _SPD * torch.tensor(2.0, device="cpu")):  # host scalars
         out, eager = _replayed(op)
         assert torch.equal(out, eager)
 

@@ -32,8 +32,8 @@ What it models, as a device graph behaves:
   ``eigh``, ``svd``, ``pinv``, ``eig``, ``matrix_exp``, ``check_errors=True``; the ``_ex`` variants pass),
   ``histc`` without a range, nested tensors built from a mask (``nn.TransformerEncoder``'s fast path) and
   ``pack_padded_sequence``. So does ``torch.tensor(...)``/``as_tensor`` of host data with at least one
-  dimension, or with ``device=``, which on a device is a host-to-device copy that breaks capture (0-dim
-  values without a device pass: kernels take such scalars from the host at capture time).
+  dimension, or with a ``device=`` other than ``"cpu"``, which on a device is a host-to-device copy that
+  breaks capture (0-dim host values pass: kernels take such scalars from the host at capture time).
 - With ``auto_dispatch_capture=True``, ops with a registered handler
   (:mod:`npugraph_train.graphed.handlers`) are recorded with their host arguments, which ``update()``
   rewrites for the next replays, as torch_npu's NPUGraph update does.
@@ -199,10 +199,12 @@ class _HostReadGuard(TorchFunctionMode):
         if func in _HOST_READ_METHODS:
             what = "printing a tensor" if func.__name__.startswith("__") else f"Tensor.{func.__name__}()"
             raise _capture_error(f"{what} reads tensor data on the host")
-        if func in _HOST_DATA_FUNCTIONS and (kwargs or {}).get("device") is not None and args \
+        if func in _HOST_DATA_FUNCTIONS and (kwargs or {}).get("device") not in (None, "cpu") and args \
                 and not isinstance(args[0], torch.Tensor):
             # Host data on the device: a copy that breaks capture (CUDA: pytorch#168991), also for one number.
-            raise _capture_error(f"torch.{func.__name__}(..., device=...) copies host data to the device")
+            # On the emulator x.device is the CPU too, so only the literal "cpu" says "a host tensor".
+            raise _capture_error(f"torch.{func.__name__}(..., device=...) copies host data to the device (use "
+                                 "torch.full(shape, value, device=...), or device='cpu' for a host tensor)")
         if func is torch.nn.functional.one_hot:
             return _one_hot(*args, **(kwargs or {}))
         return func(*args, **(kwargs or {}))
