@@ -648,6 +648,29 @@ def test_python_counters_changed_by_the_step_are_refused_and_left_as_before():
     assert graphed.samples_seen == eager.samples_seen == 64 and _same(eager, graphed)
 
 
+class FreezesNormInStep(Scheduled):
+    def __init__(self):
+        super().__init__()
+        self.norm = nn.BatchNorm1d(4)
+
+    def training_step(self, batch, batch_idx):
+        self.norm.eval()  # frozen statistics, set in the step; train() below makes it a change at recapture
+        return super().training_step((self.norm(batch[0]), batch[1]), batch_idx)
+
+
+class TrainModeAt(Callback):
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if trainer.global_step == 5:
+            pl_module.train()
+
+
+def test_train_eval_flags_set_in_the_step_capture_again_not_refused():
+    eager = _train_only(FreezesNormInStep, [TrainModeAt()])
+    callback = NPUGraphCallback(mode="whole_step")
+    graphed = _train_only(FreezesNormInStep, [TrainModeAt(), callback])
+    assert _same(eager, graphed) and callback.report()[0]["captures"] == 2
+
+
 class StepsSchedulerInStep(Scheduled):
     def training_step(self, batch, batch_idx):
         self.lr_schedulers().step()

@@ -61,8 +61,10 @@ def _clone(value: Any) -> Any:
     return value.clone() if isinstance(value, torch.Tensor) else value
 
 
-# What Lightning keeps in a LightningModule (the hook being run, flags): set around the step, not by it.
-LIGHTNING_INTERNALS = frozenset(vars(pl.LightningModule())) - {"training"}
+# Host values of the modules that are no state a step carries: what Lightning keeps in a LightningModule (the
+# hook being run, flags), set around the step; and train/eval flags, which are checked before every replay (a
+# step that sets self.backbone.eval() after Lightning's train() is captured again, not refused).
+NOT_STEP_STATE = frozenset(vars(pl.LightningModule())) | {"training"}
 
 
 class WholeStepGrapher:
@@ -167,7 +169,7 @@ class WholeStepGrapher:
         self.graph = Graph(self.backend)
         progress = copy.deepcopy(loop.optim_progress.state_dict())
         attributes = StateAttributes(module, holders=is_metric)
-        settings = ModuleSettings(module, LIGHTNING_INTERNALS)  # host values: counters the step would keep there
+        settings = ModuleSettings(module, NOT_STEP_STATE)  # host values: counters the step would keep there
         settings_before = settings.snapshot()
         opt = unwrap(optimizer)
         had_state = set(opt.state)
