@@ -99,10 +99,13 @@ class ModuleSettings:
         """``name (old -> new)`` of each setting that differs from ``snapshot`` or was made since it."""
         old = {(id(where), key): value for where, key, value in snapshot}
         self.find()
-        missing = object()
-        return [f"{name} ({'unset' if was is missing else repr(was)} -> {where[key]!r})"
-                for name, where, key in zip(self._names, self._dicts, self._keys)
-                for was in [old.get((id(where), key), missing)] if was is missing or scalar_changed(was, where[key])]
+        changed = []
+        for name, where, key in zip(self._names, self._dicts, self._keys):
+            if (id(where), key) not in old:
+                changed.append(f"{name} (unset -> {where[key]!r})")
+            elif scalar_changed(old[id(where), key], where[key]):
+                changed.append(f"{name} ({old[id(where), key]!r} -> {where[key]!r})")
+        return changed
 
     def restore(self, snapshot: List[Tuple[dict, str, Any]]) -> None:
         """Settings as in ``snapshot``; those made since it are removed."""
