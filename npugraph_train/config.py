@@ -14,8 +14,8 @@ types and invalid values fail at start-up with the valid choices.
 from __future__ import annotations
 
 import difflib
-from dataclasses import dataclass, field, fields
-from typing import Any, Iterable, List, Mapping, Union
+from dataclasses import dataclass, field, fields, is_dataclass
+from typing import Any, Dict, Iterable, List, Mapping, Tuple, Type, Union
 
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
@@ -24,6 +24,10 @@ from .graphed.backends import CHOICES as BACKENDS  # auto, npu, cuda, emulate
 
 MODES = ("off", "submodules", "whole_step")
 ON_FAILURE = ("raise", "eager")
+# What each setting takes, for the checks and their messages.
+_CHOICES = {"mode": MODES, "backend": BACKENDS, "on_failure": ON_FAILURE, "capture_error_mode": CAPTURE_ERROR_MODES}
+_MINIMUMS = {"warmup_steps": 1, "num_warmup_iters": 0, "max_signatures": 1}
+_FLAGS = ("modules_only", "auto_dispatch_capture", "convert_optimizers", "log_report")
 
 
 @dataclass
@@ -78,55 +82,121 @@ class NPUGraphConfig:
             raise MisconfigurationException(
                 f"NPUGraphConfig.modules must be a list of names or glob patterns, got {self.modules!r}")
         self.modules = [str(m) for m in self.modules]
-        for name, choices in (("mode", MODES), ("backend", BACKENDS), ("on_failure", ON_FAILURE),
-                              ("capture_error_mode", CAPTURE_ERROR_MODES)):
-            value = getattr(self, name)
-            if value not in choices:
-                raise MisconfigurationException(
-                    f"NPUGraphConfig.{name}={value!r} is not valid; choose one of: {', '.join(choices)}")
-        for name, minimum in (("warmup_steps", 1), ("num_warmup_iters", 0), ("max_signatures", 1)):
+        for name, choices in _CHOICES.items():
+            if getattr(self, name) not in choices:
+                raise _invalid(name, getattr(self, name))
+        for name, minimum in _MINIMUMS.items():
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-                raise MisconfigurationException(
-                    f"NPUGraphConfig.{name}={value!r} is not valid; expected an integer >= {minimum}")
-        for name in ("modules_only", "auto_dispatch_capture", "convert_optimizers", "log_report"):
+                raise _invalid(name, value)
+        for name in _FLAGS:
             if not isinstance(getattr(self, name), bool):
-                raise MisconfigurationException(
-                    f"NPUGraphConfig.{name}={getattr(self, name)!r} is not valid; expected true or false")
+                raise _invalid(name, getattr(self, name))
 
     @classmethod
     def create(cls, cfg: Union["NPUGraphConfig", Mapping[str, Any], Any, None] = None,
                **overrides: Any) -> "NPUGraphConfig":
-        """Build and validate a config from a dataclass, dict, DictConfig or keyword overrides."""
+        """Build and validate a config from a dataclass, dict, DictConfig or keyword overrides (None: the
+        defaults). Hydra's keys (``_target_``, ``_partial_``, ...) are ignored, so a callback node can be passed."""
+        OmegaConf, OmegaConfBaseException = _omegaconf()
         try:
-            from omegaconf import OmegaConf
-            from omegaconf.errors import OmegaConfBaseException
-        except ImportError as exc:
-            raise MisconfigurationException(
-                "NPUGraphConfig.create / NPUGraphCallback.from_config need omegaconf (pip install omegaconf); "
-                "without it, pass the switches as keyword arguments: NPUGraphCallback(mode=..., ...)") from exc
-
-        valid = [f.name for f in fields(cls)]
-        if OmegaConf.is_config(cfg):
-            cfg = OmegaConf.to_container(cfg, resolve=True)
-        elif isinstance(cfg, Mapping):
-            cfg = dict(cfg)
-        if isinstance(cfg, dict):
-            cfg.pop("_target_", None)  # a Hydra callback node can be passed as it is
-            unknown = [key for key in {**cfg, **overrides} if key not in valid]
-            if unknown:
-                raise unknown_settings_error("npugraph_train config", unknown)
-        schema = OmegaConf.structured(cls)
-        try:
-            merged = OmegaConf.merge(schema, cfg if cfg is not None else {}, overrides)
+            settings = {key: value for key, value in {**_as_dict(cfg), **overrides}.items()
+                        if not _is_hydra_key(key)}
+            _check_known(settings)
+            missing = [key for key, value in settings.items() if isinstance(value, str) and value == "???"]
+            if missing:  # merged into the schema, OmegaConf's "missing" would silently keep the default
+                raise _missing_error(missing[0])
+            merged = OmegaConf.merge(OmegaConf.structured(cls), settings)
+            values = OmegaConf.to_container(merged, resolve=True, throw_on_missing=True)
         except OmegaConfBaseException as exc:
-            key = getattr(exc, "full_key", None)
-            expected = {f.name: f.type for f in fields(cls)}.get(key)
-            where = f" at {key!r} (expected {expected})" if expected else ""
-            raise MisconfigurationException(
-                f"invalid npugraph_train config{where}: {str(exc).splitlines()[0]}. "
-                f"Valid keys: {', '.join(valid)}") from None
-        return cls(**OmegaConf.to_container(merged, resolve=True))
+            raise _config_error(exc, cls) from None
+        return cls(**values)
+
+
+def _omegaconf() -> Tuple[Any, Type[Exception]]:
+    """OmegaConf and its base exception, or an error that says how to do without them."""
+    try:
+        from omegaconf import OmegaConf
+        from omegaconf.errors import OmegaConfBaseException
+    except ImportError as exc:
+        raise MisconfigurationException(
+            "NPUGraphConfig.create / NPUGraphCallback.from_config need omegaconf (pip install omegaconf); "
+            "without it, pass the switches as keyword arguments: NPUGraphCallback(mode=..., ...)") from exc
+    return OmegaConf, OmegaConfBaseException
+
+
+def _as_dict(cfg: Any) -> Dict[Any, Any]:
+    """The settings of a dataclass, DictConfig or mapping as a plain dict; OmegaConf values resolved."""
+    OmegaConf, _ = _omegaconf()
+    if cfg is None:
+        return {}
+    if is_dataclass(cfg):
+        cfg = OmegaConf.structured(cfg)
+    if OmegaConf.is_dict(cfg):
+        _check_known(key for key in cfg if not _is_hydra_key(key))  # before resolving: "???" in a typo'd key
+        # A "???" value must fail here: left for the merge below, it would silently become the default.
+        return OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
+    if isinstance(cfg, Mapping):
+        return dict(cfg)
+    raise MisconfigurationException(
+        f"npugraph_train config must be a mapping of settings (a dict, DictConfig or NPUGraphConfig), got "
+        f"{type(cfg).__name__} {cfg!r}; for example {{'mode': 'whole_step', 'warmup_steps': 3}}")
+
+
+def _check_known(keys: Iterable[Any]) -> None:
+    unknown = [key for key in keys if key not in {f.name for f in fields(NPUGraphConfig)}]
+    if unknown:
+        raise unknown_settings_error("npugraph_train config", unknown)
+
+
+def _is_hydra_key(key: Any) -> bool:
+    # The keys hydra.utils.instantiate reads from a node: _target_, _partial_, _recursive_, _convert_, _args_.
+    return isinstance(key, str) and len(key) > 2 and key.startswith("_") and key.endswith("_")
+
+
+def _missing_error(label: str) -> MisconfigurationException:
+    return MisconfigurationException(
+        f"npugraph_train config: {label} is '???' (a required value that was never given); set {label}"
+        f"{_in_brackets(_allowed(label.split('[')[0]))}")
+
+
+def _in_brackets(text: str) -> str:
+    return f" ({text})" if text else ""
+
+
+def _config_error(exc: Exception, cls: type) -> MisconfigurationException:
+    """OmegaConf's error about one setting as one line naming that setting and what it takes."""
+    from omegaconf.errors import GrammarParseError, InterpolationResolutionError, MissingMandatoryValue
+
+    types = {f.name: f.type for f in fields(cls)}
+    # full_key is the path in the config passed (graph.modules[0]); the setting is its last part's name.
+    label = str(getattr(exc, "full_key", None) or "").split(".")[-1]
+    setting = label.split("[")[0]
+    if isinstance(exc, MissingMandatoryValue):
+        return _missing_error(label)
+    reason = str(exc).splitlines()[0]
+    if isinstance(exc, (InterpolationResolutionError, GrammarParseError)):
+        return MisconfigurationException(
+            f"npugraph_train config: the value of {label} cannot be resolved ({reason}); fix the interpolation or "
+            f"set {label} directly{_in_brackets(_allowed(setting))}")
+    where = f" at {label!r} (expected {types[setting]})" if setting in types else ""
+    return MisconfigurationException(f"invalid npugraph_train config{where}: {reason}. "
+                                     f"Valid keys: {', '.join(types)}")
+
+
+def _allowed(name: str) -> str:
+    """What a setting takes, for error messages; empty for a name that is no setting."""
+    if name in _CHOICES:
+        return f"choose one of: {', '.join(_CHOICES[name])}"
+    if name in _MINIMUMS:
+        return f"expected an integer >= {_MINIMUMS[name]}"
+    if name in _FLAGS:
+        return "expected true or false"
+    return "expected a list of submodule names or glob patterns" if name == "modules" else ""
+
+
+def _invalid(name: str, value: Any) -> MisconfigurationException:
+    return MisconfigurationException(f"NPUGraphConfig.{name}={value!r} is not valid; {_allowed(name)}")
 
 
 def unknown_settings_error(where: str, keys: Iterable[str]) -> MisconfigurationException:

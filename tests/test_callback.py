@@ -1,5 +1,6 @@
 import dataclasses
 import inspect
+import re
 import warnings
 
 import pytest
@@ -251,6 +252,32 @@ class TestConfig:
             NPUGraphCallback.from_config(OmegaConf.create({"warmup_steps": "three"}))
         with pytest.raises(MisconfigurationException, match="at 'modules' \\(expected List\\[str\\]\\)"):
             NPUGraphCallback.from_config({"modules": "blocks.*"})
+
+    @pytest.mark.parametrize("cfg, message", [
+        (OmegaConf.create({"mode": "???"}), "mode is '???' (a required value that was never given); set mode (choose "
+                                            "one of: off, submodules, whole_step)"),
+        ({"warmup_steps": "???"}, "warmup_steps is '???'"),
+        (OmegaConf.create({"graph": {"warmup_steps": "${nope}"}}).graph,
+         "the value of warmup_steps cannot be resolved (Interpolation key 'nope' not found); fix the interpolation "
+         "or set warmup_steps directly (expected an integer >= 1)"),
+        (OmegaConf.create({"bogus": "???"}), "unknown settings 'bogus'"),
+    ])
+    def test_missing_and_unresolvable_values_name_the_setting(self, cfg, message):
+        # '???' became the default; a bad interpolation raised OmegaConf's own error
+        with pytest.raises(MisconfigurationException, match=re.escape(message)):
+            NPUGraphCallback.from_config(cfg)
+
+    def test_from_config_input_shapes(self):
+        for cfg in ("mode=off", ["mode"], OmegaConf.create(["mode"])):
+            with pytest.raises(MisconfigurationException, match="config must be a mapping of settings"):
+                NPUGraphCallback.from_config(cfg)
+        for cfg in (None, NPUGraphConfig()):  # a typo in the overrides has the "did you mean" of the mapping path
+            with pytest.raises(MisconfigurationException, match=r"unknown settings 'warmpu_steps' \(did you mean "
+                                                                r"'warmup_steps'\?\)"):
+                NPUGraphConfig.create(cfg, warmpu_steps=7)
+        node = {"_target_": "npugraph_train.NPUGraphCallback", "_partial_": False, "_recursive_": False,
+                "_convert_": "all", "mode": "off"}
+        assert NPUGraphCallback.from_config(node).config.mode == "off"
 
     def test_hydra_target_with_a_typo_names_the_valid_settings(self):
         from hydra.utils import instantiate
