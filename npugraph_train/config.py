@@ -39,8 +39,9 @@ class NPUGraphConfig:
             submodules) or ``whole_step`` (one graph for the whole training step).
         warmup_steps: ordinary training steps of each fit before capture (at least 1: the inputs of the
             marked submodules are recorded during the last one).
-        modules: qualified names or glob patterns (``encoder.layers.*``) of submodules to graph, in
-            addition to the ``@graph_safe`` ones; each pattern must match.
+        modules: a list of qualified names or glob patterns (``["encoder.layers.*"]``) of submodules to
+            graph, in addition to the ``@graph_safe`` ones; each pattern must match. None means none; a
+            single string is refused (write a one-item list).
         modules_only: graph only the ``modules`` listed, ignoring ``@graph_safe`` marks.
         num_warmup_iters: eager iterations ``make_graphed_callables`` runs before capturing.
         backend: ``auto``, ``npu``, ``cuda`` or ``emulate``.
@@ -75,13 +76,7 @@ class NPUGraphConfig:
     log_report: bool = True
 
     def __post_init__(self) -> None:
-        # Hydra and OmegaConf hand lists over as ListConfig.
-        if self.modules is None:
-            self.modules = []
-        if isinstance(self.modules, str) or not _is_sequence(self.modules):
-            raise MisconfigurationException(
-                f"NPUGraphConfig.modules must be a list of names or glob patterns, got {self.modules!r}")
-        self.modules = [str(m) for m in self.modules]
+        self.modules = _modules_list(self.modules)
         for name, choices in _CHOICES.items():
             if getattr(self, name) not in choices:
                 raise _invalid(name, getattr(self, name))
@@ -103,6 +98,9 @@ class NPUGraphConfig:
             settings = {key: value for key, value in {**_as_dict(cfg), **overrides}.items()
                         if not _is_hydra_key(key)}
             _check_known(settings)
+            modules = settings.get("modules")
+            if modules is None or isinstance(modules, str):  # None: no patterns, as in the constructor
+                settings["modules"] = _modules_list(modules)
             missing = [key for key, value in settings.items() if isinstance(value, str) and value == "???"]
             if missing:  # merged into the schema, OmegaConf's "missing" would silently keep the default
                 raise _missing_error(missing[0])
@@ -205,6 +203,25 @@ def unknown_settings_error(where: str, keys: Iterable[str]) -> MisconfigurationE
              for key, close in ((k, difflib.get_close_matches(str(k), valid, n=1)) for k in keys)]
     return MisconfigurationException(f"{where} got unknown settings {', '.join(hints)}; valid settings: "
                                      f"{', '.join(valid)}")
+
+
+def _modules_list(value: Any) -> List[str]:
+    """``modules`` as a list of strings (Hydra and OmegaConf hand lists over as ListConfig); None is none."""
+    if value is None:
+        return []
+    if isinstance(value, str):  # not taken as one pattern: a list is what every other spelling gives
+        raise MisconfigurationException(
+            f"NPUGraphConfig.modules={value!r} is a string, not a list; write modules=[{value!r}] (in a Hydra "
+            f"override, quote the list: graph.modules='[{value}]')")
+    if not _is_sequence(value):
+        raise _invalid("modules", value)
+    items = list(value)
+    for i, item in enumerate(items):
+        if not isinstance(item, str):
+            raise MisconfigurationException(
+                f"NPUGraphConfig.modules[{i}]={item!r} is not valid; expected a submodule name or glob pattern "
+                f"(a string), e.g. modules=['encoder.layers.*']")
+    return items
 
 
 def _is_sequence(value: Any) -> bool:

@@ -238,10 +238,13 @@ class TestConfig:
         ({"capture_error_mode": "strict"}, "choose one of: global, thread_local, relaxed"),
         ({"warmup_steps": 0}, "warmup_steps=0 is not valid; expected an integer >= 1"),
         ({"max_signatures": 2.5}, "max_signatures=2.5 is not valid"),
-        ({"modules": "blocks.*"}, "modules must be a list"),
+        ({"modules": "blocks.*"}, "modules='blocks.*' is a string, not a list; write modules=['blocks.*'] (in a "
+                                  "Hydra override, quote the list: graph.modules='[blocks.*]')"),
+        ({"modules": ["head", None]}, "modules[1]=None is not valid; expected a submodule name or glob pattern"),
+        ({"modules": [1]}, "modules[0]=1 is not valid"),
     ])
     def test_bad_values(self, kwargs, message):
-        with pytest.raises(MisconfigurationException, match=message.replace("(", r"\(").replace(")", r"\)")):
+        with pytest.raises(MisconfigurationException, match=re.escape(message)):
             NPUGraphCallback(**kwargs)
 
     def test_from_config_rejects_unknown_keys_and_types(self):
@@ -250,8 +253,11 @@ class TestConfig:
             NPUGraphCallback.from_config({"warmup_step": 3})
         with pytest.raises(MisconfigurationException, match="at 'warmup_steps' \\(expected int\\)"):
             NPUGraphCallback.from_config(OmegaConf.create({"warmup_steps": "three"}))
-        with pytest.raises(MisconfigurationException, match="at 'modules' \\(expected List\\[str\\]\\)"):
+        with pytest.raises(MisconfigurationException, match="modules='blocks.\\*' is a string, not a list"):
             NPUGraphCallback.from_config({"modules": "blocks.*"})
+        assert NPUGraphCallback.from_config({"modules": None}).config.modules == []  # as the constructor and Hydra
+        # OmegaConf's conversion, as for other settings: an index on a Hydra command line (modules=[0]) is a name
+        assert NPUGraphCallback.from_config(OmegaConf.create({"modules": [0, "head"]})).config.modules == ["0", "head"]
 
     @pytest.mark.parametrize("cfg, message", [
         (OmegaConf.create({"mode": "???"}), "mode is '???' (a required value that was never given); set mode (choose "

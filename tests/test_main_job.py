@@ -61,6 +61,8 @@ def test_mode_off_runs_one_eager_fit(tmp_path):
     ("graph.mode=bogus", "choose one of: off, submodules, whole_step"),
     ("graph.warmup_steps=0", "expected an integer >= 1"),
     ("graph.mode=???", "mode is '???' (a required value that was never given); set mode (choose one of: off"),
+    ("graph.modules=blocks", "modules='blocks' is a string, not a list; write modules=['blocks'] (in a Hydra "
+                             "override, quote the list: graph.modules='[blocks]')"),
     ("+graph.nope=1", "unknown settings 'nope'; valid settings: mode, warmup_steps"),
     ("+model.nope=1", "unknown model settings model.nope; valid: in_features, width"),
     ("+trainer.nope=1", "unknown trainer settings trainer.nope; valid: seed, max_steps"),
