@@ -87,6 +87,11 @@ class NPUGraphConfig:
         for name in _FLAGS:
             if not isinstance(getattr(self, name), bool):
                 raise _invalid(name, getattr(self, name))
+        if self.modules_only and not self.modules:
+            raise MisconfigurationException(
+                "NPUGraphConfig.modules_only=True graphs only the submodules listed in `modules`, and modules is "
+                "empty; list them (modules=['encoder.layers.*']), or set modules_only=False to graph the "
+                "@graph_safe ones")
 
     @classmethod
     def create(cls, cfg: Union["NPUGraphConfig", Mapping[str, Any], Any, None] = None,

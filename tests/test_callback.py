@@ -207,8 +207,19 @@ class TestModuleSelection:
             fit(callbacks=[NPUGraphCallback(modules=["decoder.*"])], max_steps=2)
 
     def test_no_modules_warns(self):
-        with pytest.warns(UserWarning, match="no @graph_safe submodules"):
-            fit(callbacks=[NPUGraphCallback(modules_only=True)], max_steps=2)
+        class Unmarked(Regressor):
+            def __init__(self):
+                super().__init__()
+                self.blocks = nn.ModuleList([nn.Linear(8, 8), nn.Linear(8, 8)])
+
+        with pytest.warns(UserWarning, match="no @graph_safe submodules and no `modules` patterns"):
+            trainer([NPUGraphCallback()], max_steps=2).fit(Unmarked(), *loaders())
+
+    def test_modules_only_without_patterns_is_refused(self):
+        # it warned "no @graph_safe submodules" although the model has marked blocks
+        with pytest.raises(MisconfigurationException, match=r"modules_only=True graphs only the submodules listed in "
+                                                            r"`modules`, and modules is empty; list them"):
+            NPUGraphCallback(modules_only=True)
 
 
 def test_mode_off_warns_and_trains_eager():
