@@ -193,6 +193,15 @@ def bitwise_equal(a: nn.Module, b: nn.Module) -> bool:
     return sa.keys() == sb.keys() and all(torch.equal(sa[k].cpu(), sb[k].cpu()) for k in sa)
 
 
+def why_nothing_replayed(rows: List[dict]) -> str:
+    """Why a graphed fit replayed no graph, from its capture report."""
+    if not rows:
+        return "no module was chosen for graphs"
+    if all("fit ended before capture" in row["status"] for row in rows):
+        return "the fit ended before capture: graph.warmup_steps is too large for trainer.max_steps"
+    return "see the statuses in the capture report"
+
+
 def describe_device(backend: Backend) -> str:
     if backend.device_type == "cpu":
         return "cpu"
@@ -266,11 +275,13 @@ def run(cfg: DictConfig) -> None:
     print(f"median step time (eager):   {fmt_us(eager_timer.median_us())} over "
           f"{len(eager_timer.intervals)} steps; final train loss {final_loss(eager_trainer)}")
     graphed_us, eager_us = graphed_timer.median_us(), eager_timer.median_us()
-    if graphed_us and eager_us:
+    replayed = any(row["replays"] for row in callback.report())
+    if not replayed:  # a ratio of two eager fits would pass for a measurement
+        print(f"eager / graphed step time: n/a, no graph replayed ({why_nothing_replayed(callback.report())}), "
+              "so both fits ran eager")
+    elif graphed_us and eager_us:
         print(f"eager / graphed step time: {eager_us / graphed_us:.2f}x")
-    replays = sum(row["replays"] for row in callback.report())
-    note = "" if replays else " (nothing replayed as a graph: the fit ended before capture)"
-    print(f"parameters bitwise equal to eager: {bitwise_equal(graphed_model, eager_model)}{note}")
+    print(f"parameters bitwise equal to eager: {bitwise_equal(graphed_model, eager_model)}")
     if backend.name == "emulate":
         print("note: the emulate backend is a correctness tool: it replays recorded ops one by one in Python "
               "on the CPU, so its step time is not a speed-up measurement; run on an NPU or CUDA GPU for that.")

@@ -48,6 +48,13 @@ def test_whole_step_fit(tmp_path):
     assert "parameters bitwise equal to eager: True" in result.stdout
 
 
+def test_no_speed_ratio_when_nothing_replayed(tmp_path):
+    result = run_job(tmp_path, *SMALL, "trainer.max_steps=6", "graph.warmup_steps=8")
+    assert result.returncode == 0, result.stderr
+    assert ("eager / graphed step time: n/a, no graph replayed (the fit ended before capture: graph.warmup_steps is "
+            "too large for trainer.max_steps), so both fits ran eager") in result.stdout
+
+
 def test_mode_off_runs_one_eager_fit(tmp_path):
     result = run_job(tmp_path, *SMALL, "graph.mode=off")
     assert result.returncode == 0, result.stderr
