@@ -39,15 +39,16 @@ class NPUGraphConfig:
             submodules) or ``whole_step`` (one graph for the whole training step).
         warmup_steps: ordinary training steps of each fit before capture (at least 1: the inputs of the
             marked submodules are recorded during the last one).
-        modules: a list of qualified names or glob patterns (``["encoder.layers.*"]``) of submodules to
-            graph, in addition to the ``@graph_safe`` ones; each pattern must match. None means none; a
-            single string is refused (write a one-item list).
-        modules_only: graph only the ``modules`` listed, ignoring ``@graph_safe`` marks.
-        num_warmup_iters: eager iterations ``make_graphed_callables`` runs before capturing.
+        modules: (submodules mode) a list of qualified names or glob patterns (``["encoder.layers.*"]``) of
+            submodules to graph, in addition to the ``@graph_safe`` ones; each pattern must match. None means
+            none; a single string is refused (write a one-item list).
+        modules_only: (submodules mode) graph only the ``modules`` listed, ignoring ``@graph_safe`` marks.
+        num_warmup_iters: (submodules mode) eager iterations ``make_graphed_callables`` runs before capturing.
         backend: ``auto``, ``npu``, ``cuda`` or ``emulate``.
         on_failure: ``raise`` stops with the capture error; ``eager`` warns once and leaves the failing
             module eager while the others are graphed (in ``whole_step`` mode: every step runs eager).
-        max_signatures: graphs per module, one per input signature (e.g. a short last batch).
+        max_signatures: (submodules mode) graphs per module, one per input signature (e.g. a short last
+            batch); ``whole_step`` captures one batch shape.
         capture_error_mode: ``thread_local`` (default: a DataLoader's pin-memory thread cannot invalidate
             the capture), ``global`` or ``relaxed``.
         auto_dispatch_capture: capture ops with a registered handler as updatable (npu, emulate); the
@@ -58,7 +59,6 @@ class NPUGraphConfig:
             :func:`npugraph_train.optim.make_capturable` (else refuse one that is not, with instructions; on
             the CPU emulator torch's own ``capturable=True`` Adam-family optimizers refuse CPU tensors, so
             there they need conversion).
-        max_signatures applies to ``submodules`` mode; ``whole_step`` captures one batch shape.
         log_report: log the capture report at the end of each fit (rank zero).
     """
 

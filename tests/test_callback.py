@@ -222,6 +222,21 @@ class TestModuleSelection:
             NPUGraphCallback(modules_only=True)
 
 
+def test_whole_step_warns_about_the_submodule_settings_it_ignores():
+    callback = NPUGraphCallback(mode="whole_step", modules=["head"], modules_only=True, num_warmup_iters=5)
+    with pytest.warns(UserWarning) as caught:
+        callback.setup(trainer([callback]), Regressor(), "fit")
+    ignored = [str(w.message) for w in caught if "ignores them" in str(w.message)]
+    assert ignored == ["NPUGraphCallback(mode='whole_step'): modules=['head'], modules_only=True, num_warmup_iters=5 "
+                       "choose and capture submodules in mode='submodules'; whole-step mode captures the whole "
+                       "training step and ignores them"]
+    callback = NPUGraphCallback(mode="whole_step")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        callback.setup(trainer([callback]), Regressor(), "fit")
+    assert not [w for w in caught if "ignores them" in str(w.message)]
+
+
 def test_mode_off_warns_and_trains_eager():
     eager, _ = fit(max_steps=6)
     with pytest.warns(UserWarning, match="graph capture is off"):

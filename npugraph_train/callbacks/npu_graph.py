@@ -112,14 +112,24 @@ class NPUGraphCallback(Callback):
                 "op in capture order, or a one-dict list for all (in mode='submodules' also a dict mapping "
                 "module names to such lists)")
         if self.config.mode == "whole_step":
-            if self.config.max_signatures > 1:
-                rank_zero_warn(f"NPUGraphCallback(mode='whole_step', max_signatures={self.config.max_signatures}): "
-                               "whole-step mode captures one batch shape, and batches of other shapes run as eager "
-                               "steps; max_signatures applies to mode='submodules'")
+            self._warn_submodule_settings()
             self._whole = WholeStepGrapher(self.config, backend)
             check_trainer(trainer, pl_module)
         else:
             self._grapher = SubmoduleGrapher(self.config, backend)
+
+    def _warn_submodule_settings(self) -> None:
+        """Warn about settings of submodules mode given to whole_step mode, which ignores them."""
+        if self.config.max_signatures > 1:
+            rank_zero_warn(f"NPUGraphCallback(mode='whole_step', max_signatures={self.config.max_signatures}): "
+                           "whole-step mode captures one batch shape, and batches of other shapes run as eager "
+                           "steps; max_signatures applies to mode='submodules'")
+        defaults = NPUGraphConfig()
+        ignored = [f"{name}={getattr(self.config, name)!r}" for name in ("modules", "modules_only", "num_warmup_iters")
+                   if getattr(self.config, name) != getattr(defaults, name)]
+        if ignored:
+            rank_zero_warn(f"NPUGraphCallback(mode='whole_step'): {', '.join(ignored)} choose and capture submodules "
+                           "in mode='submodules'; whole-step mode captures the whole training step and ignores them")
 
     def on_fit_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         if self._grapher is not None or self._whole is not None:
