@@ -256,6 +256,18 @@ def test_graphs_for_another_device_than_the_trainers_are_refused_and_auto_follow
     assert "emulate" in callback.format_report() and callback.report()[0]["replays"] > 0
 
 
+@pytest.mark.parametrize("env, message", [
+    ("cuda", "graph backend 'cuda' (from NPUGRAPH_BACKEND=cuda) is not available"),
+    ("bogus", "unknown graph backend 'bogus' (from NPUGRAPH_BACKEND=bogus)"),
+])
+def test_a_backend_from_the_environment_is_blamed_on_it(monkeypatch, env, message):
+    # the callback's backend='auto' defers to NPUGRAPH_BACKEND; the error said "(from argument)"
+    monkeypatch.setenv("NPUGRAPH_BACKEND", env)
+    with pytest.raises(ngt.BackendUnavailableError) as info:
+        fit(callbacks=[NPUGraphCallback()], max_steps=2)
+    assert message in str(info.value) and "set NPUGRAPH_BACKEND to one of them, or unset it" in str(info.value)
+
+
 class TestConfig:
     @pytest.mark.parametrize("kwargs, message", [
         ({"mode": "full"}, "mode='full' is not valid; choose one of: off, submodules, whole_step"),

@@ -42,7 +42,7 @@ def _check_name(name: str, source: str) -> None:
         usable = [n for n, why in available_backends().items() if why is None]
         raise BackendUnavailableError(
             f"unknown graph backend {name!r} (from {source}); choose one of {', '.join(CHOICES)} "
-            f"(usable here: {', '.join(usable)})")
+            f"(usable here: {', '.join(usable)}): {_how_to_change(source)}")
 
 
 def _requested() -> tuple:
@@ -62,9 +62,13 @@ def get_backend(name: Union[str, Backend, None] = None) -> Backend:
     """
     if isinstance(name, Backend):
         return name
-    source = "argument"
     if name is None or name == "auto":  # an explicit "auto" still honours set_backend / NPUGRAPH_BACKEND
-        name, source = _requested()
+        return _backend(*_requested())
+    return _backend(name, "argument")
+
+
+def _backend(name: str, source: str) -> Backend:
+    """The backend ``name``, which came from ``source`` (named in errors, with how to change it there)."""
     _check_name(name, source)
     if name == "auto":
         name = _auto()
@@ -72,13 +76,19 @@ def get_backend(name: Union[str, Backend, None] = None) -> Backend:
         reason = BACKENDS[name].probe()
         if reason is not None:
             usable = [n for n, why in available_backends().items() if why is None]
-            how = {"argument": "pass one of them instead (backend=..., --backend, graph.backend=...)",
-                   "set_backend()": "pass one of them to set_backend()"}.get(source, f"set {ENV_VAR} to one of them")
             raise BackendUnavailableError(
                 f"graph backend {name!r} (from {source}) is not available: {reason}. "
-                f"Usable here: {', '.join(usable)}, or 'auto' to pick the best; {how}.")
+                f"Usable here: {', '.join(usable)}, or 'auto' to pick the best; {_how_to_change(source)}.")
         _instances[name] = BACKENDS[name]()
     return _instances[name]
+
+
+def _how_to_change(source: str) -> str:
+    if source == "set_backend()":
+        return "pass one of them to set_backend(), or call set_backend(None)"
+    if source.startswith(ENV_VAR):
+        return f"set {ENV_VAR} to one of them, or unset it"
+    return "pass one of them instead (backend=..., --backend, graph.backend=...)"
 
 
 # The backend whose graphs capture each device's tensors.
@@ -96,12 +106,12 @@ def backend_for_device(device_type: str, name: Optional[str] = None) -> Backend:
         raise BackendUnavailableError(f"no graph backend captures {device_type} tensors (npugraph_train graphs npu, "
                                       "cuda, and cpu through the emulator); train on one of those, or turn graphs off")
     requested, source = (name, "argument") if name not in (None, "auto") else _requested()
-    backend = get_backend(fits if requested == "auto" else requested)
+    backend = _backend(fits if requested == "auto" else requested, source)
     if backend.device_type != device_type:
         raise BackendUnavailableError(
             f"graph backend {backend.name!r} (from {source}) captures {backend.device_type} tensors, but training "
-            f"runs on {device_type}: use backend 'auto' or {fits!r}, or train on the {backend.device_type} device "
-            f"(Trainer(accelerator={backend.device_type!r}))")
+            f"runs on {device_type}: use backend 'auto' or {fits!r} ({_how_to_change(source)}), or train on the "
+            f"{backend.device_type} device (Trainer(accelerator={backend.device_type!r}))")
     return backend
 
 
