@@ -358,9 +358,45 @@ class TestConfig:
         fit(callbacks=[callback], max_steps=4)
         assert [r["module"] for r in callback.report()] == ["blocks.0", "blocks.1", "head"]
 
-    def test_two_instances_have_distinct_state_keys(self):
-        a, b = NPUGraphCallback(), NPUGraphCallback(modules=["head"])
-        assert a.state_key != b.state_key
+
+
+def test_two_callbacks_are_refused():
+    # they failed later with unrelated errors (a nested replay; "is already graphed")
+    a, b = NPUGraphCallback(), NPUGraphCallback(mode="whole_step")
+    with pytest.raises(RuntimeError, match="more than one stateful callback of type `NPUGraphCallback`"):
+        trainer([a, b])  # Lightning's check: one state_key
+    t = trainer([a])
+    t.callbacks.append(b)
+    with pytest.raises(MisconfigurationException, match=r"the Trainer has 2 NPUGraphCallbacks \(NPUGraphCallback\("
+                                                        r"mode='submodules'\), NPUGraphCallback\(mode='whole_step'\)"
+                                                        r"\), which would graph the same model twice; use one"):
+        t.fit(Regressor(), *loaders())
+
+
+def test_checkpoints_resume_in_another_mode_and_from_the_settings_keyed_state(tmp_path):
+    torch.manual_seed(0)
+    model = Regressor()
+    t = trainer([NPUGraphCallback(warmup_steps=2)], max_steps=6)
+    t.fit(model, *loaders())
+    t.save_checkpoint(tmp_path / "a.ckpt")
+    assert list(torch.load(tmp_path / "a.ckpt", weights_only=False)["callbacks"]) == ["NPUGraphCallback"]
+
+    resumed = NPUGraphCallback(mode="whole_step", warmup_steps=2)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer([resumed], max_steps=10).fit(Regressor(), *loaders(), ckpt_path=tmp_path / "a.ckpt")
+    assert not [w for w in caught if "Please add the following callbacks" in str(w.message)]
+    assert resumed.state_dict() == {"fits_captured": 2}
+
+    # Checkpoints of earlier versions keyed the state by the settings (Lightning warns that it lacks that key, and
+    # the callback finds its state under it all the same).
+    checkpoint = torch.load(tmp_path / "a.ckpt", weights_only=False)
+    checkpoint["callbacks"] = {"NPUGraphCallback{'mode': 'submodules', 'modules': []}": {"fits_captured": 5}}
+    torch.save(checkpoint, tmp_path / "old.ckpt")
+    resumed = NPUGraphCallback(warmup_steps=2)
+    with pytest.warns(UserWarning, match="Please add the following callbacks"):
+        trainer([resumed], max_steps=10).fit(Regressor(), *loaders(), ckpt_path=tmp_path / "old.ckpt")
+    assert resumed.state_dict() == {"fits_captured": 6}
 
 
 def test_capture_waits_when_the_recorded_batch_is_short():

@@ -52,6 +52,7 @@ class NPUGraphCallback(Callback):
     signatures with replays, capture seconds and pool bytes, ``captures``, and eager calls by reason;
     ``format_report()`` the same as text, which is also logged at the end of fit (``log_report``).
     ``state_dict`` holds how many fits were captured; graphs themselves are never saved.
+    One per Trainer: a second one is refused.
     """
 
     # The defaults are read from the config, so that they are written once; the explicit signature is kept for
@@ -83,14 +84,19 @@ class NPUGraphCallback(Callback):
         """Build from an :class:`NPUGraphConfig`, a dict or an OmegaConf ``DictConfig`` (validated)."""
         return cls(**vars(NPUGraphConfig.create(cfg)))
 
+    # state_key is Lightning's default, the class name: one callback per Trainer, so a checkpoint resumes under
+    # other settings (another mode) without Lightning's "Please add the following callbacks" warning.
     @property
-    def state_key(self) -> str:
+    def _legacy_state_key(self) -> str:  # type: ignore[override]
+        # Lightning looks a state up by this key when state_key finds none: the key of earlier versions, which
+        # included the settings, so that their checkpoints still restore under the same settings.
         return self._generate_state_key(mode=self.config.mode, modules=self.config.modules)
 
     # lifecycle -----------------------------------------------------------------------------------
     def setup(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
         if stage != "fit":
             return
+        self._refuse_other_instances(trainer)
         if self.config.mode == "off":
             rank_zero_warn("NPUGraphCallback(mode='off'): graph capture is off; training runs eager")
             return
@@ -117,6 +123,16 @@ class NPUGraphCallback(Callback):
             check_trainer(trainer, pl_module)
         else:
             self._grapher = SubmoduleGrapher(self.config, backend)
+
+    def _refuse_other_instances(self, trainer: "pl.Trainer") -> None:
+        # Trainer(callbacks=[a, b]) is refused by Lightning (one state_key); this finds those added later
+        # (trainer.callbacks, configure_callbacks), which would graph the same modules twice.
+        mine = [cb for cb in trainer.callbacks if isinstance(cb, NPUGraphCallback)]
+        if len(mine) > 1:
+            names = ", ".join(f"NPUGraphCallback(mode={cb.config.mode!r})" for cb in mine)
+            raise MisconfigurationException(
+                f"the Trainer has {len(mine)} NPUGraphCallbacks ({names}), which would graph the same model twice; "
+                "use one (its modules=[...] adds submodules to the @graph_safe ones)")
 
     def _warn_submodule_settings(self) -> None:
         """Warn about settings of submodules mode given to whole_step mode, which ignores them."""
