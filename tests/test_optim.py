@@ -143,13 +143,28 @@ def test_torch_npu_fused_optimizer_is_refused():
 
 
 def test_unknown_and_fused_optimizers_are_refused():
-    with pytest.raises(MisconfigurationException, match="LBFGS is not known to be capture-safe"):
+    with pytest.raises(MisconfigurationException, match="LBFGS is not known to be capture-safe.*Use one of them, "
+                                                        "or, with NPUGraphCallback, use mode='submodules'"):
         make_capturable(torch.optim.LBFGS(_model().parameters()))
     fused = torch.optim.AdamW(_model().parameters(), lr=torch.tensor(0.01), fused=True, capturable=True)
     with pytest.raises(MisconfigurationException, match="fused=True.*foreach=True"):
         make_capturable(fused)
     with pytest.raises(MisconfigurationException, match="fused=True.*foreach=True"):
         check_capture_safe(fused, tensor_lr_needed=True)  # convert_optimizers=False
+
+
+def test_non_capturable_adam_refusal_names_the_fixes_that_work_on_its_device():
+    # on CPU tensors (the emulator) torch refuses capturable=True, which the message suggested
+    cpu = torch.optim.Adam(_model().parameters(), lr=0.01)
+    with pytest.raises(MisconfigurationException) as info:
+        check_capture_safe(cpu, tensor_lr_needed=False)
+    assert "Convert it with npugraph_train.optim.make_capturable(optimizer) (NPUGraphCallback does it unless you " \
+           "pass convert_optimizers=False: remove that) (torch's own capturable=True refuses" in str(info.value)
+    assert "Pass capturable=True" not in str(info.value)
+    device = torch.optim.Adam(nn.Linear(2, 2, device="meta").parameters(), lr=0.01)
+    with pytest.raises(MisconfigurationException, match="Pass capturable=True, or convert it with npugraph_train.optim."
+                                                        "make_capturable.*remove that"):
+        check_capture_safe(device, tensor_lr_needed=False)
 
 
 def test_clip_grad_norm_matches_torch_and_captures():

@@ -240,6 +240,13 @@ def _converted(cls: Type[Optimizer]) -> Optimizer:
     return object.__new__(_capturable_class(cls))
 
 
+# How a refusal points to the conversion, also for users of the callback, who turned it off.
+_CONVERT = ("npugraph_train.optim.make_capturable(optimizer) (NPUGraphCallback does it unless you pass "
+            "convert_optimizers=False: remove that)")
+# Refusals of make_capturable, which also runs outside the callback.
+_KEEP_EAGER = "or, with NPUGraphCallback, use mode='submodules' (the optimizer stays eager)"
+
+
 def check_capture_safe(optimizer: Any, tensor_lr_needed: bool) -> None:
     """Raise ``MisconfigurationException`` unless ``optimizer.step()`` can be captured as it is."""
     opt = unwrap(optimizer)
@@ -247,20 +254,22 @@ def check_capture_safe(optimizer: Any, tensor_lr_needed: bool) -> None:
     if isinstance(opt, CapturableOptimizer):
         return
     _refuse_unsupported(opt)
+    # torch's capturable Adam-family steps refuse CPU tensors (the emulator's): there only conversion works.
+    on_cpu = any(p.device.type == "cpu" for p in _params(opt))
     if isinstance(opt, _CAPTURABLE_FLAG) and not all(g.get("capturable") for g in opt.param_groups):
+        fix = (f"Convert it with {_CONVERT} (torch's own capturable=True refuses the emulator's CPU tensors)"
+               if on_cpu else f"Pass capturable=True, or convert it with {_CONVERT}")
         raise MisconfigurationException(
             f"{name} with capturable=False keeps its step count on the host; a captured step() trains wrong "
-            "(silently, on NPU). Pass capturable=True, or use npugraph_train.optim.make_capturable(optimizer)")
+            f"(silently, on NPU). {fix}")
     float_lr = any(not isinstance(g["lr"], torch.Tensor) for g in opt.param_groups)
     if tensor_lr_needed and (float_lr or isinstance(opt, SGD)):
         raise MisconfigurationException(
             f"{name} has a learning rate scheduler but {'a Python-float lr' if float_lr else 'an lr read on the host'}"
-            ", which a captured step() would freeze at its capture-time value. Use "
-            "npugraph_train.optim.make_capturable(optimizer) (the callback's convert_optimizers=True does it)")
-    if any(p.device.type == "cpu" for p in _params(opt)) and isinstance(opt, _CAPTURABLE_FLAG):
+            f", which a captured step() would freeze at its capture-time value. Convert it with {_CONVERT}")
+    if on_cpu and isinstance(opt, _CAPTURABLE_FLAG):
         raise MisconfigurationException(
-            f"{name}(capturable=True) refuses CPU tensors in torch; on the emulator use "
-            "npugraph_train.optim.make_capturable(optimizer)")
+            f"{name}(capturable=True) refuses CPU tensors in torch; on the emulator convert it with {_CONVERT}")
 
 
 def _refuse_unsupported(opt: Optimizer) -> None:
@@ -271,7 +280,7 @@ def _refuse_unsupported(opt: Optimizer) -> None:
         raise MisconfigurationException(
             f"{cls.__name__} (torch_npu) keeps its step count and bias corrections on the host and flattens "
             f"parameters on its first step, so it cannot be captured. Use {instead}(..., foreach=True) "
-            "with npugraph_train.optim.make_capturable, or mode='submodules' (optimizer stays eager)")
+            f"with npugraph_train.optim.make_capturable, {_KEEP_EAGER}")
     if getattr(opt, "defaults", {}).get("fused"):
         raise MisconfigurationException(
             f"{cls.__name__}(fused=True): npugraph_train captures the foreach implementation; construct it with "
@@ -280,7 +289,7 @@ def _refuse_unsupported(opt: Optimizer) -> None:
     if not isinstance(opt, (SGD,) + _CAPTURABLE_FLAG):
         raise MisconfigurationException(
             f"{cls.__name__} is not known to be capture-safe: npugraph_train can make SGD, "
-            f"{', '.join(c.__name__ for c in _CAPTURABLE_FLAG)} capturable. Use one of them, or mode='submodules'")
+            f"{', '.join(c.__name__ for c in _CAPTURABLE_FLAG)} capturable. Use one of them, {_KEEP_EAGER}")
 
 
 def _retarget_scheduler_wrapper(opt: Optimizer) -> None:
@@ -310,6 +319,10 @@ def make_capturable(optimizer: Any, device: Optional[torch.device] = None) -> An
 
     Calling it again (e.g. after ``load_state_dict`` restored state on another device) moves learning
     rates and step counts to the parameters' device again.
+
+    Lightning's ``LearningRateMonitor`` reads ``param_group["lr"]``: without :class:`~npugraph_train.NPUGraphCallback`
+    in the Trainer it records the live lr tensor, which schedulers fill in place, so every entry of its ``lrs``
+    history shows the final lr; with the callback (either mode) it records floats.
     """
     opt = unwrap(optimizer)
     if not isinstance(opt, CapturableOptimizer):
