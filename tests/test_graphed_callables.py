@@ -863,8 +863,12 @@ class TestMarker:
     def test_bad_options(self):
         with pytest.raises(ValueError, match="max_signatures=0"):
             ng.graph_safe(max_signatures=0)
-        with pytest.raises(TypeError, match="nn.Module"):
+        with pytest.raises(TypeError, match=r"not function; wrap the code in an nn.Module, or graph a function "
+                                            r"directly with make_graphed_callables\(fn, sample_args\)"):
             ng.graph_safe(lambda x: x)
+        with pytest.raises(TypeError, match=r"unknown options 'max_signature' \(did you mean 'max_signatures'\?\); "
+                                            r"valid options: max_signatures, num_warmup_iters, allow_unused_input"):
+            ng.graph_safe(max_signature=2)
 
 
 class RunningMean(nn.Module):

@@ -16,7 +16,8 @@ A class mark applies to instances of exactly that class, not to subclasses, whic
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+import difflib
+from dataclasses import dataclass, fields, replace
 from typing import Any, Callable, List, Optional, Tuple, TypeVar, overload
 
 import torch.nn as nn
@@ -60,6 +61,12 @@ def graph_safe(obj: Any = None, **options: Any) -> Any:
     """Mark a module class or instance as capture-safe, optionally with the fields of :class:`GraphSafeOptions`
     as keywords: ``@graph_safe`` or ``@graph_safe(max_signatures=2, allow_unused_input=True)``. A class's mark
     does not pass to its subclasses."""
+    valid = [f.name for f in fields(GraphSafeOptions)]
+    unknown = [name for name in options if name not in valid]
+    if unknown:
+        hints = [f"{name!r} (did you mean {close[0]!r}?)" if close else repr(name)
+                 for name, close in ((n, difflib.get_close_matches(n, valid, n=1)) for n in unknown)]
+        raise TypeError(f"graph_safe got unknown options {', '.join(hints)}; valid options: {', '.join(valid)}")
     opts = GraphSafeOptions(**options)
 
     def mark(target: Any) -> Any:
@@ -68,7 +75,9 @@ def graph_safe(obj: Any = None, **options: Any) -> Any:
         elif isinstance(target, nn.Module):
             object.__setattr__(target, _ATTR, (target, opts))
         else:
-            raise TypeError(f"graph_safe marks nn.Module classes or instances, not {type(target).__name__}")
+            raise TypeError(
+                f"graph_safe marks nn.Module classes or instances, not {type(target).__name__}; wrap the code in "
+                "an nn.Module, or graph a function directly with make_graphed_callables(fn, sample_args)")
         return target
 
     return mark if obj is None else mark(obj)
