@@ -188,9 +188,29 @@ def fit(cfg: DictConfig, backend: Backend, data: Tuple[TensorDataset, TensorData
     return model, timer, trainer
 
 
+# Integer dtypes by size in bytes, to compare floating-point tensors bit for bit.
+_BIT_VIEWS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def bit_pattern(t: torch.Tensor) -> torch.Tensor:
+    t = t.detach().cpu()
+    return t.view(_BIT_VIEWS[t.element_size()]) if t.is_floating_point() else t
+
+
 def bitwise_equal(a: nn.Module, b: nn.Module) -> bool:
+    """Same keys and the same bits in every tensor: torch.equal calls NaN unequal to itself, so two runs that
+    diverged identically would compare unequal."""
     sa, sb = a.state_dict(), b.state_dict()
-    return sa.keys() == sb.keys() and all(torch.equal(sa[k].cpu(), sb[k].cpu()) for k in sa)
+    return sa.keys() == sb.keys() and all(torch.equal(bit_pattern(sa[k]), bit_pattern(sb[k])) for k in sa)
+
+
+def report_divergence(fit_name: str, model: nn.Module) -> None:
+    """Say so when training diverged: NaN or inf in the parameters."""
+    tensors = [t for t in model.state_dict().values() if t.is_floating_point()]
+    bad = sum(not bool(torch.isfinite(t).all()) for t in tensors)
+    if bad:
+        print(f"training diverged ({fit_name} fit): {bad} of {len(tensors)} parameter tensors hold NaN or inf; "
+              "lower model.lr, or use trainer.precision=32-true or bf16-mixed")
 
 
 def why_nothing_replayed(rows: List[dict]) -> str:
@@ -259,21 +279,24 @@ def run(cfg: DictConfig) -> None:
 
     if callback.config.mode == "off":
         print("graph capture is off (graph.mode=off): one eager fit")
-        _, timer, trainer = fit(cfg, backend, data, None)
+        model, timer, trainer = fit(cfg, backend, data, None)
         print(f"median step time (eager): {fmt_us(timer.median_us())} over {len(timer.intervals)} steps; "
               f"final train loss {final_loss(trainer)}")
+        report_divergence("eager", model)
         return
 
     graphed_model, graphed_timer, graphed_trainer = fit(cfg, backend, data, callback)
     print(callback.format_report())
     print(f"median step time (graphed): {fmt_us(graphed_timer.median_us())} over "
           f"{len(graphed_timer.intervals)} steps; final train loss {final_loss(graphed_trainer)}")
+    report_divergence("graphed", graphed_model)
     if not cfg.compare_eager:
         return
 
     eager_model, eager_timer, eager_trainer = fit(cfg, backend, data, None)
     print(f"median step time (eager):   {fmt_us(eager_timer.median_us())} over "
           f"{len(eager_timer.intervals)} steps; final train loss {final_loss(eager_trainer)}")
+    report_divergence("eager", eager_model)
     graphed_us, eager_us = graphed_timer.median_us(), eager_timer.median_us()
     replayed = any(row["replays"] for row in callback.report())
     if not replayed:  # a ratio of two eager fits would pass for a measurement

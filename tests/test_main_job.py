@@ -55,6 +55,15 @@ def test_no_speed_ratio_when_nothing_replayed(tmp_path):
             "too large for trainer.max_steps), so both fits ran eager") in result.stdout
 
 
+def test_runs_that_diverge_alike_are_bitwise_equal(tmp_path):
+    # fp16 without loss scaling: both fits end with NaN parameters, bit for bit the same (torch.equal said unequal)
+    result = run_job(tmp_path, *SMALL, "trainer.precision=16-true", "graph.mode=whole_step", "model.lr=0.5")
+    assert result.returncode == 0, result.stderr
+    out = result.stdout
+    assert "training diverged (graphed fit): " in out and "training diverged (eager fit): " in out
+    assert "parameters bitwise equal to eager: True" in out
+
+
 def test_mode_off_runs_one_eager_fit(tmp_path):
     result = run_job(tmp_path, *SMALL, "graph.mode=off")
     assert result.returncode == 0, result.stderr
