@@ -229,8 +229,8 @@ def describe_device(backend: Backend) -> str:
     return f"{backend.device_type}:{module.current_device()} ({module.get_device_name()})"
 
 
-def fmt_us(us: Optional[float]) -> str:
-    return f"{us:.0f} us" if us is not None else "n/a (too few steps after capture)"
+def fmt_us(us: Optional[float], why_none: str = "too few steps after capture") -> str:
+    return f"{us:.0f} us" if us is not None else f"n/a ({why_none})"
 
 
 def final_loss(trainer: pl.Trainer) -> str:
@@ -238,7 +238,9 @@ def final_loss(trainer: pl.Trainer) -> str:
     return f"{loss.item():.4f}" if loss is not None else "n/a"
 
 
-# The settings this script reads besides the model's, and those that count something.
+# The top-level settings, the settings this script reads besides the model's, and those that count something.
+SECTIONS = ("model", "data", "trainer", "graph")
+TOP_LEVEL = ("compare_eager",) + SECTIONS
 SETTINGS = {"data": ("seq", "batch_size", "num_samples", "val_samples"),
             "trainer": ("seed", "max_steps", "precision", "val_check_interval", "deterministic")}
 COUNTS = ("model.in_features", "model.width", "model.depth", "model.heads", "model.mlp_ratio", "model.num_classes",
@@ -249,6 +251,15 @@ PRECISIONS = ("32-true", "bf16-mixed", "16-mixed", "bf16-true", "16-true", "64-t
 
 def check_settings(cfg: DictConfig) -> None:
     """Refuse, in one line, settings this script would not use or that would fail deep inside a fit."""
+    unknown = [key for key in cfg if key not in TOP_LEVEL]
+    if unknown:
+        raise MisconfigurationException(f"unknown settings {', '.join(unknown)}; valid: {', '.join(TOP_LEVEL)}")
+    for section in SECTIONS:
+        if not OmegaConf.is_dict(cfg.get(section)):
+            off = " (graph.mode=off trains without graphs)" if section == "graph" else ""
+            raise MisconfigurationException(f"{section}={cfg.get(section)!r} must be a group of settings{off}")
+    if not isinstance(cfg.get("compare_eager"), bool):
+        raise MisconfigurationException(f"compare_eager={cfg.get('compare_eager')!r} must be true or false")
     model = [name for name in inspect.signature(TinyTransformer).parameters if name not in _SET_BY_SCRIPT]
     for section, valid in (("model", model), *SETTINGS.items()):
         unknown = [key for key in cfg[section] if key not in valid]
@@ -269,9 +280,9 @@ def check_settings(cfg: DictConfig) -> None:
 
 
 def run(cfg: DictConfig) -> None:
-    # Validate the graph switches (and make the callback) and the other settings before anything trains.
-    callback = ngt.NPUGraphCallback.from_config(cfg.graph)
+    # Validate the settings and the graph switches (and make the callback) before anything trains.
     check_settings(cfg)
+    callback = ngt.NPUGraphCallback.from_config(cfg.graph)
     backend = get_backend(cfg.graph.backend)
     print(f"backend: {backend.name}; device: {describe_device(backend)}; "
           f"Lightning accelerator: {ACCELERATORS[backend.name]}")
@@ -280,7 +291,8 @@ def run(cfg: DictConfig) -> None:
     if callback.config.mode == "off":
         print("graph capture is off (graph.mode=off): one eager fit")
         model, timer, trainer = fit(cfg, backend, data, None)
-        print(f"median step time (eager): {fmt_us(timer.median_us())} over {len(timer.intervals)} steps; "
+        untimed = f"too few steps: graphs are off, and the first {timer.skip_steps} are not timed, as in a graphed fit"
+        print(f"median step time (eager): {fmt_us(timer.median_us(), untimed)} over {len(timer.intervals)} steps; "
               f"final train loss {final_loss(trainer)}")
         report_divergence("eager", model)
         return

@@ -71,6 +71,9 @@ def test_mode_off_runs_one_eager_fit(tmp_path):
     assert "capture report" not in result.stdout
     assert "median step time (eager):" in result.stdout
     assert "bitwise equal" not in result.stdout
+    result = run_job(tmp_path, *SMALL, "graph.mode=off", "trainer.max_steps=4")
+    assert ("median step time (eager): n/a (too few steps: graphs are off, and the first 4 are not timed, as in a "
+            "graphed fit)") in result.stdout  # it said "after capture"
 
 
 @pytest.mark.parametrize("override, expected", [
@@ -79,6 +82,9 @@ def test_mode_off_runs_one_eager_fit(tmp_path):
     ("graph.mode=???", "mode is '???' (a required value that was never given); set mode (choose one of: off"),
     ("graph.modules=blocks", "modules='blocks' is a string, not a list; write modules=['blocks'] (in a Hydra "
                              "override, quote the list: graph.modules='[blocks]')"),
+    ("graph=null", "graph=None must be a group of settings (graph.mode=off trains without graphs)"),
+    ("+compare_eagr=false", "unknown settings compare_eagr; valid: compare_eager, model, data, trainer, graph"),
+    ("compare_eager=maybe", "compare_eager='maybe' must be true or false"),
     ("+graph.nope=1", "unknown settings 'nope'; valid settings: mode, warmup_steps"),
     ("+model.nope=1", "unknown model settings model.nope; valid: in_features, width"),
     ("+trainer.nope=1", "unknown trainer settings trainer.nope; valid: seed, max_steps"),
