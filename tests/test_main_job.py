@@ -3,7 +3,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
-from typing import List
+from typing import List, Tuple
 
 import pytest
 
@@ -14,13 +14,13 @@ SMALL = ["trainer.max_steps=12", "trainer.val_check_interval=6", "model.depth=2"
          "model.heads=2", "data.seq=8", "data.num_samples=200", "data.val_samples=32"]
 
 
-def run_job(tmp_path: Path, *overrides: str) -> subprocess.CompletedProcess:
+def run_job(tmp_path: Path, *overrides: str, flags: Tuple[str, ...] = ()) -> subprocess.CompletedProcess:
     env = dict(os.environ)
     env.pop("HYDRA_FULL_ERROR", None)  # the user's view: no full Hydra tracebacks
     env["NPUGRAPH_BACKEND"] = "emulate"  # bitwise parity with eager is promised on the emulator
     cwd = tmp_path / "cwd"
     cwd.mkdir(exist_ok=True)
-    args: List[str] = [sys.executable, str(SCRIPT), f"hydra.run.dir={tmp_path / 'run'}", *overrides]
+    args: List[str] = [sys.executable, str(SCRIPT), *flags, f"hydra.run.dir={tmp_path / 'run'}", *overrides]
     return subprocess.run(args, cwd=cwd, env=env, capture_output=True, text=True, timeout=120)
 
 
@@ -74,6 +74,13 @@ def test_mode_off_runs_one_eager_fit(tmp_path):
     result = run_job(tmp_path, *SMALL, "graph.mode=off", "trainer.max_steps=4")
     assert ("median step time (eager): n/a (too few steps: graphs are off, and the first 4 are not timed, as in a "
             "graphed fit)") in result.stdout  # it said "after capture"
+
+
+def test_multirun_writes_no_folders(tmp_path):
+    result = run_job(tmp_path, *SMALL, "graph.mode=off", "trainer.max_steps=2", "trainer.seed=0,1", flags=("-m",))
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.count("graph capture is off") == 2
+    assert [p.name for p in (tmp_path / "cwd").iterdir()] == ["multirun.yaml"]  # Hydra's sweeper writes it
 
 
 @pytest.mark.parametrize("override, expected", [
