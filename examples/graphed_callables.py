@@ -1,10 +1,13 @@
 """The NPUGraph documentation's third example: graphed callables with a data-dependent branch between them.
 
 module1 is graphed with an input that needs no grad, module2 and module3 with an input that needs grad;
-which of them runs is decided on the host (``tmp.sum().item() > 0``) outside the graphs.
+which of them runs is decided on the host (``tmp.sum().item() > 0``) outside the graphs. The inputs
+alternate in sign, so that both branches run, and each graph replays. The script then runs the same
+training eager (same seed and data) and prints whether the losses, parameters and branches are bitwise equal.
 
-    python examples/graphed_callables.py            # graphed, on the chosen backend
-    python examples/graphed_callables.py --eager    # the same script without graphs
+    python examples/graphed_callables.py            # graphed, then eager for the check, on the chosen backend
+    python examples/graphed_callables.py --small    # small sizes (fast on a CPU, as with the emulate backend)
+    python examples/graphed_callables.py --eager    # the same script without graphs (no check)
 """
 import argparse
 import sys
@@ -17,8 +20,9 @@ import npugraph_train.graphed as ng
 
 
 def run(graphed: bool, N: int = 640, D_in: int = 4096, H: int = 2048, D_out: int = 1024, iters: int = 10,
-        seed: int = 0) -> Tuple[List[float], List[float]]:
-    """Train 10 iterations; returns the losses and the parameter sums of the three modules."""
+        seed: int = 0) -> Tuple[List[float], List[float], List[str]]:
+    """Train ``iters`` iterations; returns the losses, the parameter sums of the three modules and the branch
+    each iteration took."""
     device = ng.get_backend().device_type
     torch.manual_seed(seed)
     module1 = torch.nn.Linear(D_in, H).to(device)
@@ -35,35 +39,45 @@ def run(graphed: bool, N: int = 640, D_in: int = 4096, H: int = 2048, D_out: int
         module2 = ng.make_graphed_callables(module2, (h,))
         module3 = ng.make_graphed_callables(module3, (h,))
 
-    real_inputs = [torch.rand_like(x) for _ in range(iters)]
+    # With positive inputs only (the documentation's rand_like), module1's output sums kept one sign and module3
+    # never ran: the inputs alternate in sign, shifted away from 0 so that the sums follow, also at small sizes.
+    real_inputs = [(torch.rand_like(x) + 1) * (1 if i % 2 == 0 else -1) for i in range(iters)]
     real_targets = [torch.randn(N, D_out, device=device) for _ in range(iters)]
-    losses = []
+    losses, branches = [], []
     for data, target in zip(real_inputs, real_targets):
         optimizer.zero_grad(set_to_none=True)
         tmp = module1(data)                   # forward ops run as a graph
         if tmp.sum().item() > 0:              # data-dependent branch, on the host, outside the graphs
             tmp = module2(tmp)
+            branches.append("module2")
         else:
             tmp = module3(tmp)
+            branches.append("module3")
         loss = loss_fn(tmp, target)
         loss.backward()                       # backward ops of module2/3 and module1 run as graphs
         optimizer.step()
         losses.append(loss.item())
     sums = [sum(p.sum().item() for p in m.parameters()) for m in (module1, module2, module3)]
-    return losses, sums
+    return losses, sums, branches
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--eager", action="store_true", help="run without graphs")
+    parser.add_argument("--eager", action="store_true", help="run without graphs (and without the check)")
     parser.add_argument("--small", action="store_true", help="small sizes (fast on a CPU)")
     args = parser.parse_args()
     sizes = dict(N=16, D_in=32, H=24, D_out=8) if args.small else {}
     print(f"backend: {ng.current_backend()}, {'eager' if args.eager else 'graphed'}")
-    losses, sums = run(not args.eager, **sizes)
-    for i, loss in enumerate(losses):
-        print(f"iter {i}: loss {loss:.6f}")
+    result = run(not args.eager, **sizes)
+    losses, sums, branches = result
+    for i, (loss, branch) in enumerate(zip(losses, branches)):
+        print(f"iter {i}: {branch}, loss {loss:.6f}")
     print("parameter sums: " + ", ".join(f"module{i + 1} {s:.6f}" for i, s in enumerate(sums)))
+    print(f"branches: module2 {branches.count('module2')}x, module3 {branches.count('module3')}x")
+    if not args.eager:
+        eager = run(False, **sizes)
+        print(f"graphed vs eager (same seed and data): losses, parameter sums and branches "
+              f"{'bitwise equal' if result == eager else 'differ'}")
 
 
 if __name__ == "__main__":

@@ -306,7 +306,9 @@ def test_doc_example_matches_eager():
     import graphed_callables as example
 
     small = dict(N=8, D_in=12, H=10, D_out=4)
-    assert example.run(True, **small) == example.run(False, **small)
+    graphed = example.run(True, **small)
+    assert graphed == example.run(False, **small)
+    assert set(graphed[2]) == {"module2", "module3"}, "both branches run (module3 never did)"
 
 
 def test_encoder_layers_with_constant_flags():
