@@ -49,7 +49,8 @@ class NPUGraphCallback(Callback):
     """Capture training as graphs after ``warmup_steps``; arguments are those of :class:`NPUGraphConfig`.
 
     ``report()`` gives one row per graphed module (``training_step`` in whole-step mode): its status,
-    signatures with replays, capture seconds and pool bytes, ``captures``, and eager calls by reason;
+    signatures with replays, capture seconds and pool bytes, eager calls by reason, and in whole-step mode
+    ``captures`` (the step is captured again when what it bakes in changes);
     ``format_report()`` the same as text, which is also logged at the end of fit (``log_report``).
     ``state_dict`` holds how many fits were captured; graphs themselves are never saved.
     One per Trainer: a second one is refused.
