@@ -212,8 +212,10 @@ _LENGTHS = torch.tensor([4, 3, 2, 1])
     (lambda: torch.linalg.svdvals(_SPD), "_linalg_svd"),
     (lambda: torch.linalg.pinv(_SPD), "linalg_pinv"),
     (lambda: torch.linalg.matrix_exp(_SPD), "matrix_exp"),
-    (lambda: torch.histc(_SPD, bins=4), "histc without a range.*pass min and max"),
+    (lambda: torch.histc(_SPD, bins=4), "histc with min == max.*pass a range"),
+    (lambda: torch.cholesky_inverse(_SPD), "cholesky_solve"),
     (lambda: torch.tensor(2.0, device=_SPD.device), r"torch.tensor\(..., device=...\) copies host data"),
+    (lambda: _SPD.new_tensor(0.5), r"Tensor.new_tensor\(..., device=...\) copies host data"),
     (lambda: nn.utils.rnn.pack_padded_sequence(_SPD[:, :, None], _LENGTHS),
      "pack_padded_sequence takes its output shape"),
 ])
@@ -226,7 +228,8 @@ def test_ops_whose_device_kernels_read_on_the_host_are_refused(op, why):
 def test_the_ex_variants_a_device_captures_are_accepted():
     for op in (lambda: torch.linalg.cholesky_ex(_SPD).L, lambda: torch.linalg.inv_ex(_SPD).inverse,
                lambda: torch.histc(_SPD, bins=4, min=0, max=5), lambda: torch.full((), 2.0, device=_SPD.device),
-               lambda: _SPD * torch.tensor(2.0), lambda: _SPD * torch.tensor(2.0, device="cpu")):  # host scalars
+               lambda: _SPD * torch.tensor(2.0), lambda: _SPD * torch.tensor(2.0, device="cpu:0"),  # host scalars
+               lambda: torch.tensor((), device=_SPD.device), lambda: _SPD.new_tensor(_SPD[0])):  # nothing copied
         out, eager = _replayed(op)
         assert torch.equal(out, eager)
 

@@ -2,6 +2,7 @@ import copy
 import linecache
 import pickle
 import re
+import types
 import warnings
 
 import lightning.pytorch as pl
@@ -14,6 +15,7 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 import npugraph_train as ngt
 from npugraph_train import NPUGraphCallback
+from npugraph_train.callbacks.step_checks import WatchedIndex
 from npugraph_train.optim import make_capturable
 
 from .lightning_models import Regressor, loaders, trainer
@@ -606,11 +608,12 @@ def test_optimizer_state_made_by_a_failed_capture_is_dropped():
     assert _same(eager, graphed), "no NaN optimizer state from the capture"
 
 
-def test_python_values_appended_to_an_empty_list_are_not_tensor_state():
+def test_python_values_appended_to_a_list_are_refused_and_put_back():
     torch.manual_seed(0)
-    callback = NPUGraphCallback(mode="whole_step")
-    trainer([callback], max_steps=6).fit(RebindsState("notes"), *loaders())
-    assert callback.report()[0]["replays"] == 3
+    model = RebindsState("notes")
+    with pytest.raises(ngt.GraphCaptureError, match=r"changes Python values: notes \(list of 3 -> list of 4\)"):
+        trainer([NPUGraphCallback(mode="whole_step")], max_steps=6).fit(model, *loaders())
+    assert model.notes == ["a Python value"] * 3, "as the 3 warmup steps left it"
 
 
 def test_rebinding_with_on_failure_eager_runs_eager_like_plain_lightning():
@@ -638,7 +641,7 @@ class CountsSamples(Scheduled):
 def test_python_counters_changed_by_the_step_are_refused_and_left_as_before():
     torch.manual_seed(0)
     model = CountsSamples()
-    with pytest.raises(ngt.GraphCaptureError, match=r"changes Python attributes of the module: samples_seen "
+    with pytest.raises(ngt.GraphCaptureError, match=r"changes Python values: samples_seen "
                                                     r"\(24 -> 32\)\. .*tensor buffer.*on_train_batch_end"):
         trainer([NPUGraphCallback(mode="whole_step")], max_steps=6).fit(model, *loaders())
     assert model.samples_seen == 24, "what the 3 warmup steps counted; not the capture step"
@@ -671,26 +674,78 @@ def test_train_eval_flags_set_in_the_step_capture_again_not_refused():
     assert _same(eager, graphed) and callback.report()[0]["captures"] == 2
 
 
-class StepsSchedulerInStep(Scheduled):
+class KeepsPythonState(Scheduled):
+    def __init__(self, kind):
+        super().__init__()
+        self.kind = kind
+        self.stats = types.SimpleNamespace(seen=0)
+        self.counts = {"steps": 0}
+
     def training_step(self, batch, batch_idx):
-        self.lr_schedulers().step()
+        if self.kind == "object":
+            self.stats.seen += 8
+        elif self.kind == "dict":
+            self.counts["steps"] += 1
+        elif self.kind == "param_group":
+            group = self.optimizers().param_groups[0]
+            group["steps"] = group.get("steps", 0) + 1
+        return super().training_step(batch, batch_idx)
+
+
+class CountsOptimizerSteps(Callback):
+    def __init__(self):
+        self.steps = 0
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        self.steps += 1
+
+
+@pytest.mark.parametrize("kind, changed", [("object", r"stats.seen \(24 -> 32\)"),
+                                           ("dict", r"counts \(\{'steps': 3\} -> \{'steps': 4\}\)"),
+                                           ("param_group", r"optimizer.param_groups\[0\].steps \(3 -> 4\)"),
+                                           ("callback", r"CountsOptimizerSteps.steps \(3 -> 4\)")])
+def test_python_state_in_objects_dicts_param_groups_and_callbacks_is_refused(kind, changed):
+    torch.manual_seed(0)
+    model, counter = KeepsPythonState(kind), CountsOptimizerSteps()
+    with pytest.raises(ngt.GraphCaptureError, match=f"changes Python values: {changed}"):
+        trainer([counter, NPUGraphCallback(mode="whole_step")], max_steps=6).fit(model, *loaders())
+    assert (model.stats.seen, model.counts["steps"]) == ((24, 0) if kind == "object" else (0, 3) if kind == "dict"
+                                                         else (0, 0)), "as the 3 warmup steps left them"
+    assert counter.steps == 3
+
+
+class StepsSchedulerInStep(Scheduled):
+    def __init__(self, registered=True):
+        super().__init__()
+        self.registered = registered
+
+    def training_step(self, batch, batch_idx):
+        scheduler = self.lr_schedulers() if self.registered else self.warmup
+        scheduler.step()
         return super().training_step(batch, batch_idx)
 
     def configure_optimizers(self):
         opt = make_capturable(torch.optim.SGD(self.parameters(), lr=0.05))
+        if not self.registered:  # kept on the module, unknown to Lightning
+            self.warmup = torch.optim.lr_scheduler.StepLR(opt, 3, 0.5)
+            return opt
         return {"optimizer": opt, "lr_scheduler": torch.optim.lr_scheduler.LambdaLR(opt, lambda k: 1 / (k + 1))}
 
 
 def test_a_scheduler_stepped_inside_training_step_is_refused():
     eager = _train_only(StepsSchedulerInStep, [])
     with pytest.raises(ngt.GraphCaptureError, match=r"steps the learning-rate scheduler LambdaLR at .*test_whole_"
-                                                    r"step.py:\d+: +self.lr_schedulers\(\).step\(\).*'interval': 'step'"):
+                                                    r"step.py:\d+: +scheduler.step\(\).*'interval': 'step'"):
         _train_only(StepsSchedulerInStep, [NPUGraphCallback(mode="whole_step")])
     with pytest.warns(UserWarning, match="capture failed, runs eager.*LambdaLR"):
         graphed = _train_only(StepsSchedulerInStep, [NPUGraphCallback(mode="whole_step", on_failure="eager")])
     assert _same(eager, graphed)
     assert graphed.lr_schedulers().last_epoch == eager.lr_schedulers().last_epoch == 8
-    assert "step" not in vars(graphed.lr_schedulers()), "the scheduler's own step is back"
+    lr_scheduler = torch.optim.lr_scheduler
+    assert [c.step.__qualname__ for c in (lr_scheduler.LambdaLR, lr_scheduler.ReduceLROnPlateau)] == [
+        "LRScheduler.step", "ReduceLROnPlateau.step"], "the schedulers' own steps are back"
+    with pytest.raises(ngt.GraphCaptureError, match=r"steps the learning-rate scheduler StepLR"):
+        _train_only(lambda: StepsSchedulerInStep(registered=False), [NPUGraphCallback(mode="whole_step")])
 
 
 class ManualLr(Scheduled):
@@ -879,15 +934,16 @@ def test_using_batch_idx_during_capture_warns_at_the_line():
 
     class KeepsIdx(Scheduled):
         def training_step(self, batch, batch_idx):
-            self.last_idx = batch_idx  # kept: copies and checkpoints must still work
+            self.last_idx = batch_idx  # a Python value the replays would not update
             return super().training_step(batch, batch_idx)
 
-    model = KeepsIdx()
-    trainer([NPUGraphCallback(mode="whole_step")], max_steps=5).fit(model, *loaders())
-    assert type(copy.deepcopy(model).last_idx) is int and type(pickle.loads(pickle.dumps(model.last_idx))) is int
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        assert model.last_idx + 1 > 0  # read after the capture (in a callback, say): not the step's read
+    with pytest.raises(ngt.GraphCaptureError, match=r"changes Python values: last_idx \(2 -> 3\)"):
+        trainer([NPUGraphCallback(mode="whole_step")], max_steps=5).fit(KeepsIdx(), *loaders())
+    reads = []
+    kept = WatchedIndex(3, lambda name, value: reads.append(name))  # kept somewhere: copies must still work
+    assert type(copy.deepcopy(kept)) is int and type(pickle.loads(pickle.dumps(kept))) is int
+    kept.stop_watching()
+    assert kept + 1 == 4 and not reads, "read after the capture (in a callback, say): not the step's read"
 
 
 def test_python_values_returned_from_training_step_warn():

@@ -20,6 +20,7 @@ import lightning.pytorch as pl
 import torch
 from torch.utils._pytree import tree_flatten
 from torch.optim import optimizer as torch_optimizer
+from torch.optim.lr_scheduler import LRScheduler, ReduceLROnPlateau
 from torch.utils.hooks import RemovableHandle
 
 from ..graphed import GraphCaptureError
@@ -48,16 +49,16 @@ def rebinding_error(root: torch.nn.Module, names: List[str]) -> GraphCaptureErro
 
 
 def python_state_error(changed: List[str]) -> Optional[GraphCaptureError]:
-    """The refusal of a step that changed the modules' host values (``ModuleSettings.changed_since``), if any."""
+    """The refusal of a step that changed host values (``HostState.changed()``), if any."""
     if not changed:
         return None
     shown = ", ".join(changed[:5]) + (f" and {len(changed) - 5} more" if len(changed) > 5 else "")
     return GraphCaptureError(
-        f"training_step changes Python attributes of the module: {shown}. A replay runs no Python, so they would "
-        "keep their values from the capture step (a counter such as self.seen += n would stop counting). Keep "
-        "such state in a tensor buffer updated in place (self.seen.add_(n)), or update it outside training_step "
-        "(in on_train_batch_end, from the outputs training_step returns). The attributes are left as before the "
-        "capture", module_name="training_step")
+        f"the training step changes Python values: {shown}. A replay runs no Python, so they would keep their "
+        "values from the capture step (a counter such as self.seen += n would stop counting, a list would stop "
+        "growing). Keep such state in a tensor buffer updated in place (self.seen.add_(n)), or update it "
+        "outside the step (in on_train_batch_end, from the outputs training_step returns). The values are left "
+        "as before the capture", module_name="training_step")
 
 
 _HOST_COUNTERS = ("global_step", "current_epoch")
@@ -88,34 +89,33 @@ def watch_host_counters(on_read: Callable[[str, Any], None]) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def refuse_scheduler_steps(trainer: "pl.Trainer") -> Iterator[None]:
-    """Raise ``GraphCaptureError`` when the captured step steps one of the trainer's schedulers
-    (``self.lr_schedulers().step()``): replays run no Python, so the learning rate would keep its capture value.
-    For the capture only (each scheduler's ``step`` is shadowed on the instance, then restored)."""
-    schedulers = {id(config.scheduler): config.scheduler for config in trainer.lr_scheduler_configs}.values()
-    missing = object()
-    kept = [(scheduler, scheduler.__dict__.get("step", missing)) for scheduler in schedulers]
+def refuse_scheduler_steps() -> Iterator[None]:
+    """Raise ``GraphCaptureError`` when the captured step steps a learning-rate scheduler (``self.lr_schedulers()
+    .step()``, or one kept on the module): replays run no Python, so its count would freeze while the lr math it
+    did on the capturable lr tensors replays every step. For the capture only (``step`` is swapped on every
+    scheduler class that defines one, then restored)."""
+    classes = [cls for cls in dict.fromkeys(_subclasses(LRScheduler) + _subclasses(ReduceLROnPlateau))
+               if "step" in vars(cls)]
+    originals = [vars(cls)["step"] for cls in classes]
 
-    def refused(scheduler: Any) -> Callable:
-        def step(*args: Any, **kwargs: Any) -> None:
-            raise GraphCaptureError(
-                f"training_step steps the learning-rate scheduler {type(scheduler).__name__} at {user_source_line()}: "
-                "a replay runs no Python, so the learning rate would keep its value from the capture step. Let "
-                "Lightning step it after each step: return {'optimizer': ..., 'lr_scheduler': {'scheduler': ..., "
-                "'interval': 'step'}} from configure_optimizers (or step it in on_train_batch_end)",
-                module_name="training_step")
-        return step
+    def step(scheduler: Any, *args: Any, **kwargs: Any) -> None:
+        raise GraphCaptureError(
+            f"the training step steps the learning-rate scheduler {type(scheduler).__name__} at "
+            f"{user_source_line()}: a replay runs no Python, so the schedule would not advance. Let Lightning step "
+            "it after each step: return {'optimizer': ..., 'lr_scheduler': {'scheduler': ..., 'interval': "
+            "'step'}} from configure_optimizers (or step it in on_train_batch_end)", module_name="training_step")
 
-    for scheduler, _ in kept:
-        scheduler.step = refused(scheduler)
+    for cls in classes:
+        cls.step = step
     try:
         yield
     finally:
-        for scheduler, own in kept:
-            if own is missing:
-                del scheduler.step
-            else:
-                scheduler.step = own
+        for cls, original in zip(classes, originals):
+            cls.step = original
+
+
+def _subclasses(cls: type) -> List[type]:
+    return [cls] + [c for sub in cls.__subclasses__() for c in _subclasses(sub)]
 
 
 class WatchedIndex(int):

@@ -2,6 +2,8 @@
 captured once and replayed cannot honour."""
 from __future__ import annotations
 
+from typing import List
+
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import BaseFinetuning, GradientAccumulationScheduler, StochasticWeightAveraging
 from lightning.pytorch.utilities import rank_zero_warn
@@ -46,12 +48,17 @@ def check_trainer(trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> Non
             refuse(f"with {type(cb).__name__}, which changes the trained parameters or optimizer during fit",
                    "remove it, or use mode='submodules'")
     overridden = [h for h in _CLOSURE_HOOKS if is_overridden(h, pl_module)]
-    overridden += [f"{type(cb).__name__}.{h}" for cb in trainer.callbacks for h in _CLOSURE_HOOKS[:4]
+    overridden += [f"{type(cb).__name__}.{h}" for cb in callbacks_inside_step(trainer) for h in _CLOSURE_HOOKS[:4]
                    if is_overridden(h, cb, pl.Callback)]
     if overridden:
         rank_zero_warn(f"NPUGraphCallback(mode='whole_step'): {', '.join(overridden)} run inside the captured "
                        "step: their device work replays every step, their Python runs once at capture. Keep "
                        "them free of host reads (.item(), printing tensors) and per-step Python state")
+
+
+def callbacks_inside_step(trainer: "pl.Trainer") -> List[pl.Callback]:
+    """The callbacks with hooks that run inside the captured step (on_before_backward, ...)."""
+    return [cb for cb in trainer.callbacks if any(is_overridden(h, cb, pl.Callback) for h in _CLOSURE_HOOKS[:4])]
 
 
 def check_schedulers(trainer: "pl.Trainer") -> None:

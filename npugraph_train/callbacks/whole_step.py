@@ -34,7 +34,6 @@ from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 from ..config import NPUGraphConfig
 from ..graphed import Graph, GraphCaptureError, graph
 from ..graphed.backends import Backend
-from ..graphed.callables import ModuleSettings
 from ..graphed.signatures import static_copies
 from ..graphed.state_attributes import StateAttributes, tensors_in
 from ..graphed.user_code import warn_at_user_code
@@ -45,7 +44,8 @@ from .report import ENDED_BEFORE_CAPTURE, NOT_CAPTURED
 from .step_checks import (BakedSetup, WatchedIndex, is_metric, python_outputs, rebinding_error,
                           python_state_error, refuse_scheduler_steps, watch_host_counters)
 from .step_logs import StepLogRecorder
-from .step_setup import check_schedulers
+from .host_state import HostState
+from .step_setup import callbacks_inside_step, check_schedulers
 
 # Recaptures in a row, each after at most one replay, after which the step runs eager for the rest of the fit.
 UNSETTLED_AFTER = 3
@@ -59,12 +59,6 @@ def _layouts(leaves: List[Any]) -> List[Any]:
 
 def _clone(value: Any) -> Any:
     return value.clone() if isinstance(value, torch.Tensor) else value
-
-
-# Host values of the modules that are no state a step carries: what Lightning keeps in a LightningModule (the
-# hook being run, flags), set around the step; and train/eval flags, which are checked before every replay (a
-# step that sets self.backbone.eval() after Lightning's train() is captured again, not refused).
-NOT_STEP_STATE = frozenset(vars(pl.LightningModule())) | {"training"}
 
 
 class WholeStepGrapher:
@@ -169,15 +163,14 @@ class WholeStepGrapher:
         self.graph = Graph(self.backend)
         progress = copy.deepcopy(loop.optim_progress.state_dict())
         attributes = StateAttributes(module, holders=is_metric)
-        settings = ModuleSettings(module, NOT_STEP_STATE)  # host values: counters the step would keep there
-        settings_before = settings.snapshot()
+        host_state = HostState(module, unwrap(optimizer), callbacks_inside_step(loop.trainer))
         opt = unwrap(optimizer)
         had_state = set(opt.state)
         failure: Optional[GraphCaptureError] = None
         result: Dict[str, Any] = {}
         started = time.perf_counter()
         try:
-            with watch_host_counters(self._warn_host_read), refuse_scheduler_steps(loop.trainer), graph(
+            with watch_host_counters(self._warn_host_read), refuse_scheduler_steps(), graph(
                     self.graph, capture_error_mode=self.config.capture_error_mode,
                     auto_dispatch_capture=self.config.auto_dispatch_capture), attributes.reads:
                 result = _AutomaticOptimization.run(loop, optimizer, batch_idx, static_kwargs)
@@ -192,7 +185,7 @@ class WholeStepGrapher:
                 static_kwargs["batch_idx"].stop_watching()
         carried_failure = rebinding_error(module, carried) if failure is None and carried else None
         failure = (failure or carried_failure or self._batch_reshaped(layouts)
-                   or python_state_error(settings.changed_since(settings_before)))
+                   or python_state_error(host_state.changed()))
         self._warn_if_batch_changed(static_kwargs["batch"], spec)
         self.written_leaves = [i for i, (leaf, version) in enumerate(zip(self.static_leaves, versions))
                                if isinstance(leaf, torch.Tensor) and leaf._version != version]
@@ -207,7 +200,7 @@ class WholeStepGrapher:
             # from one that only writes them.
             self._waited_for_filled = True
             attributes.restore()
-            settings.restore(settings_before)  # the step runs again eager: its Python must find them as before
+            host_state.restore()  # the step runs again eager: its Python must find them as before
             self.graph = None
             loop.optim_progress.load_state_dict(progress)
             return loop.eager_step(optimizer, batch_idx, kwargs, f"capture waits: {', '.join(attributes.filled)} "
@@ -216,13 +209,13 @@ class WholeStepGrapher:
                                    kind="filled")
         if failure is None and fresh:
             self.graph = None
-            settings.restore(settings_before)
+            host_state.restore()
             loop.optim_progress.load_state_dict(progress)
             return loop.eager_step(optimizer, batch_idx, kwargs, "capture waits for an eager step to create the "
                                    "optimizer state of newly trained parameters")
         if failure is not None:
             self.graph = None
-            settings.restore(settings_before)
+            host_state.restore()
             if self.config.on_failure == "raise":
                 raise GraphCaptureError(f"capturing the training step failed: {failure}",
                                         module_name="training_step") from failure

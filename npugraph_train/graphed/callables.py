@@ -67,16 +67,15 @@ class ModuleSettings:
     BatchNorm), a Dropout's ``p``, how BatchNorms track statistics (finetuning callbacks freeze them; SWA sets
     momentum=None): every attribute holding a bool, int, float or str when the module is graphed."""
 
-    def __init__(self, module: Optional[nn.Module], internals: frozenset = frozenset()) -> None:
+    def __init__(self, module: Optional[nn.Module]) -> None:
         self.module = module
-        self.internals = MODULE_INTERNALS | internals  # bookkeeping of the module's framework, not settings
         self.find()
 
     def find(self) -> None:
         """Look for the settings again (the first call of a forward may create some)."""
         slots = [(f"{path + '.' if path else ''}{key}", m.__dict__, key)
                  for path, m in (self.module.named_modules() if self.module is not None else ())
-                 for key, value in m.__dict__.items() if type(value) in SCALAR_TYPES and key not in self.internals]
+                 for key, value in m.__dict__.items() if type(value) in SCALAR_TYPES and key not in MODULE_INTERNALS]
         self._names, self._dicts, self._keys = (list(z) for z in zip(*slots)) if slots else ([], [], [])
 
     def read(self) -> tuple:
@@ -94,28 +93,6 @@ class ModuleSettings:
     def put_back(snapshot: List[Tuple[dict, str, Any]]) -> None:
         for where, key, value in snapshot:
             where[key] = value
-
-    def changed_since(self, snapshot: List[Tuple[dict, str, Any]]) -> List[str]:
-        """``name (old -> new)`` of each setting that differs from ``snapshot`` or was made since it."""
-        old = {(id(where), key): value for where, key, value in snapshot}
-        self.find()
-        changed = []
-        for name, where, key in zip(self._names, self._dicts, self._keys):
-            if (id(where), key) not in old:
-                changed.append(f"{name} (unset -> {where[key]!r})")
-            elif scalar_changed(old[id(where), key], where[key]):
-                changed.append(f"{name} ({old[id(where), key]!r} -> {where[key]!r})")
-        return changed
-
-    def restore(self, snapshot: List[Tuple[dict, str, Any]]) -> None:
-        """Settings as in ``snapshot``; those made since it are removed."""
-        kept = {(id(where), key) for where, key, _ in snapshot}
-        self.find()
-        for where, key in zip(self._dicts, self._keys):
-            if (id(where), key) not in kept:
-                del where[key]
-        self.put_back(snapshot)
-        self.find()
 
     @staticmethod
     def differ(a: tuple, b: tuple) -> bool:

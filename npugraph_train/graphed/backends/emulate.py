@@ -91,6 +91,7 @@ _HIDDEN_HOST_READS = {
     aten.linalg_eig: "torch.linalg.eig/eigvals compute on the host on CUDA",
     aten.linalg_eigvals: "torch.linalg.eig/eigvals compute on the host on CUDA",
     aten.cholesky: "torch.cholesky checks its result on the host; use torch.linalg.cholesky_ex(A).L",
+    aten.cholesky_inverse: "torch.cholesky_inverse checks its result on the host; use torch.cholesky_solve(I, L)",
     aten.linalg_matrix_exp: "torch.linalg.matrix_exp reads the matrix norm on the host to choose its degree",
     aten._nested_tensor_from_mask: "building a nested tensor from a mask reads the mask on the host "
                                    "(nn.TransformerEncoder's fast path in eval with src_key_padding_mask: pass "
@@ -199,15 +200,28 @@ class _HostReadGuard(TorchFunctionMode):
         if func in _HOST_READ_METHODS:
             what = "printing a tensor" if func.__name__.startswith("__") else f"Tensor.{func.__name__}()"
             raise _capture_error(f"{what} reads tensor data on the host")
-        if func in _HOST_DATA_FUNCTIONS and (kwargs or {}).get("device") not in (None, "cpu") and args \
-                and not isinstance(args[0], torch.Tensor):
+        if _copies_host_data(func, args, kwargs or {}):
             # Host data on the device: a copy that breaks capture (CUDA: pytorch#168991), also for one number.
-            # On the emulator x.device is the CPU too, so only the literal "cpu" says "a host tensor".
-            raise _capture_error(f"torch.{func.__name__}(..., device=...) copies host data to the device (use "
-                                 "torch.full(shape, value, device=...), or device='cpu' for a host tensor)")
+            name = "Tensor.new_tensor" if func is torch.Tensor.new_tensor else f"torch.{func.__name__}"
+            raise _capture_error(f"{name}(..., device=...) copies host data to the device (use torch.full(shape, "
+                                 "value, device=...), or device='cpu' for a host tensor)")
         if func is torch.nn.functional.one_hot:
             return _one_hot(*args, **(kwargs or {}))
         return func(*args, **(kwargs or {}))
+
+
+def _copies_host_data(func: Callable, args: tuple, kwargs: dict) -> bool:
+    if func is torch.Tensor.new_tensor:  # on the tensor's device unless told otherwise
+        data, device = (args[1] if len(args) > 1 else kwargs.get("data")), kwargs.get("device", "tensor's")
+    elif func in _HOST_DATA_FUNCTIONS:
+        data, device = (args[0] if args else kwargs.get("data")), kwargs.get("device")
+    else:
+        return False
+    # On the emulator x.device is the CPU too, so only a "cpu" string says "a host tensor". Nothing to copy
+    # (torch.tensor((), device=...), as PackedSequence.to does) is no copy either.
+    host = device is None or (isinstance(device, str) and device.split(":")[0] == "cpu")
+    empty = isinstance(data, (list, tuple)) and not data
+    return not host and not empty and not isinstance(data, torch.Tensor)
 
 
 def _one_hot(tensor: torch.Tensor, num_classes: int = -1) -> torch.Tensor:
@@ -239,8 +253,8 @@ class _Recorder(TorchDispatchMode):
         if func in _INDEX_PUT_OPS and _mask_needs_indices(args, kwargs):
             raise _capture_error(f"op {func} with a boolean mask turns the mask into indices (nonzero) on the "
                                  "host; use torch.where(mask, values, x), or x.masked_fill_(mask, number)")
-        # 0-dim values are scalars that kernels take from the host at capture, as on a device.
-        if func in _HOST_DATA_OPS and args[0].dim() > 0:
+        # 0-dim values are scalars that kernels take from the host at capture, as on a device; empty ones copy nothing.
+        if func in _HOST_DATA_OPS and args[0].dim() > 0 and args[0].numel() > 0:
             raise _capture_error(f"op {func} (torch.tensor/as_tensor) copies host data to the device")
         if torch.Tag.inplace_view in func.tags:
             # transpose_, unsqueeze_, ...: tensor metadata, set once on the host (no kernel on a device)
@@ -273,7 +287,7 @@ def _hidden_host_read(func: Any, args: tuple, kwargs: dict) -> Optional[str]:
         return "check_errors=True reads the info codes on the host; leave it False and check info outside the graph"
     if func.overloadpacket is aten.histc and _argument(func, args, kwargs, "min", 0) == _argument(
             func, args, kwargs, "max", 0):
-        return "torch.histc without a range reads the data's min and max on the host; pass min and max"
+        return "torch.histc with min == max (the default) reads the data's min and max on the host; pass a range"
     return None
 
 
