@@ -34,6 +34,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import npugraph_train as ngt
 from npugraph_train.graphed import get_backend, synchronize
+from npugraph_train.callbacks.report import ENDED_BEFORE_CAPTURE
 from npugraph_train.graphed.backends import Backend
 from npugraph_train.optim import make_capturable
 
@@ -217,7 +218,7 @@ def why_nothing_replayed(rows: List[dict]) -> str:
     """Why a graphed fit replayed no graph, from its capture report."""
     if not rows:
         return "no module was chosen for graphs"
-    if all("fit ended before capture" in row["status"] for row in rows):
+    if all(row["status"] == ENDED_BEFORE_CAPTURE for row in rows):
         return "the fit ended before capture: graph.warmup_steps is too large for trainer.max_steps"
     return "see the statuses in the capture report"
 

@@ -221,7 +221,7 @@ _LENGTHS = torch.tensor([4, 3, 2, 1])
 ])
 def test_ops_whose_device_kernels_read_on_the_host_are_refused(op, why):
     # On CPU these read their data inside ATen, out of the recorder's sight; a device capture fails on them.
-    with pytest.raises(GraphCaptureError, match=f"reads tensor data on the host on a device.*{why}|{why}"):
+    with pytest.raises(GraphCaptureError, match=why):
         _replayed(op)
 
 

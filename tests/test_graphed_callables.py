@@ -1301,3 +1301,27 @@ class TestModuleState:
         model = prune.l1_unstructured(nn.Linear(4, 4), "weight", amount=0.5)
         with pytest.raises(ng.GraphCaptureError, match="Linear has module hooks"):
             ng.make_graphed_callables(model, (torch.zeros(3, 4),))
+
+
+def _live_tensors() -> int:
+    import gc
+
+    gc.collect()
+    return sum(type(o) is torch.Tensor for o in gc.get_objects())
+
+
+class _ReadsOnHost(nn.Module):
+    def forward(self, x):
+        return x * x.sum().item()
+
+
+def test_a_failed_capture_leaves_no_captured_tensors_alive():
+    # The captured forwards of the modules before the failing one never get their backward captured: their
+    # outputs, saved by their own grad_fns, must not pin the pool (on a device: a forward's activations).
+    good = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4), nn.Sigmoid())
+    x = torch.randn(2, 4, requires_grad=True)
+    for attempt in range(2):
+        before = _live_tensors()
+        with pytest.raises(ng.GraphCaptureError, match="_ReadsOnHost"):
+            ng.make_graphed_callables((good, _ReadsOnHost()), ((x,), (x,)))
+        assert _live_tensors() == before, f"attempt {attempt}"

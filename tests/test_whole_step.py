@@ -707,11 +707,35 @@ class CountsOptimizerSteps(Callback):
 def test_python_state_in_objects_dicts_param_groups_and_callbacks_is_refused(kind, changed):
     torch.manual_seed(0)
     model, counter = KeepsPythonState(kind), CountsOptimizerSteps()
+    t = trainer([counter, NPUGraphCallback(mode="whole_step")], max_steps=6)
     with pytest.raises(ngt.GraphCaptureError, match=f"changes Python values: {changed}"):
-        trainer([counter, NPUGraphCallback(mode="whole_step")], max_steps=6).fit(model, *loaders())
+        t.fit(model, *loaders())
+    # as the 3 warmup steps left them
     assert (model.stats.seen, model.counts["steps"]) == ((24, 0) if kind == "object" else (0, 3) if kind == "dict"
-                                                         else (0, 0)), "as the 3 warmup steps left them"
-    assert counter.steps == 3
+                                                         else (0, 0))
+    assert counter.steps == 3 and t.optimizers[0].param_groups[0].get("steps") == (3 if kind == "param_group" else None)
+
+
+class WritesBatchSize(Scheduled):
+    def training_step(self, batch, batch_idx):
+        self.n = batch[0].shape[0]  # written from the batch, never read by the step
+        return super().training_step(batch, batch_idx)
+
+
+class DecayFromEpochOne(Callback):  # a baked setting changed at an epoch's start: a recapture
+    def on_train_epoch_start(self, trainer, pl_module):
+        trainer.optimizers[0].param_groups[0]["weight_decay"] = 1e-4 * trainer.current_epoch
+
+
+def test_values_written_from_the_batch_wait_for_a_step_after_a_like_batch():
+    # The recaptures at epochs 1 and 2 follow a short last batch (n = 6): n changes at each, not after a
+    # step with a full batch, so it waits one step instead of refusing n as a counter.
+    eager = _train_only(WritesBatchSize, [DecayFromEpochOne()], max_steps=20)
+    callback = NPUGraphCallback(mode="whole_step")
+    graphed = _train_only(WritesBatchSize, [DecayFromEpochOne(), callback], max_steps=20)
+    row = callback.report()[0]
+    assert row["captures"] == 3 and _same(eager, graphed)  # at step 3, then at epochs 1 and 2
+    assert any("capture waits: the step changed Python values (n (6 -> 8))" in r for r in row["eager_calls"])
 
 
 class StepsSchedulerInStep(Scheduled):
@@ -1221,3 +1245,17 @@ def test_a_batch_holding_one_tensor_twice_stays_one_tensor_in_the_graph():
 
     eager, callback = run([]), NPUGraphCallback(mode="whole_step")
     assert _same(eager, run([callback])) and callback.report()[0]["replays"] > 0
+
+
+def test_after_fit_nothing_of_the_graph_is_kept():
+    # The graph's pool stays reserved while any tensor of it lives: gradients and written attributes are copied
+    # out, and the grapher lets go of the optimizer, the modules and the trainer's loop.
+    eager = _train_only(KeepsStepValues, [])
+    callback = NPUGraphCallback(mode="whole_step")
+    graphed = _train_only(KeepsStepValues, [callback])
+    grapher = callback._whole
+    assert grapher.graph is None and grapher.attributes is None and grapher.optimizer is None
+    assert grapher._loop is None and grapher.static_grads == [] and callback.report()[0]["replays"] > 0
+    for p, q in zip(eager.parameters(), graphed.parameters()):
+        assert torch.equal(p.grad, q.grad)
+    assert torch.equal(eager.last_loss, graphed.last_loss)

@@ -2,8 +2,9 @@
 
 A captured step replays its device work on the tensors it saw at capture, with the host values it read
 then. So at capture, tensor attributes in which the step carries state from step to step (``self.ema =
-0.9 * self.ema + ...``, torchmetrics states) are put back and refused (``graphed.state_attributes``), host
-reads of ``global_step``/``current_epoch`` and Python values in the step's outputs are warned about;
+0.9 * self.ema + ...``, torchmetrics states) are put back and refused (``graphed.state_attributes``), so are
+Python values it changes (``.host_state``) and schedulers it steps; host reads of ``global_step``/``current_epoch``
+and Python values in the step's outputs are warned about;
 before each replay, :class:`BakedSetup` finds what changed since capture (the optimizer and its state,
 param-group settings, train/eval flags, ``requires_grad``, parameter storage, hooks of modules, parameters
 and the optimizer, and at each epoch's first batch parameters and buffers), so that the step is captured
@@ -14,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import sys
+import threading
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import lightning.pytorch as pl
@@ -88,34 +90,58 @@ def watch_host_counters(on_read: Callable[[str, Any], None]) -> Iterator[None]:
             setattr(cls, name, prop)
 
 
-@contextlib.contextmanager
-def refuse_scheduler_steps() -> Iterator[None]:
-    """Raise ``GraphCaptureError`` when the captured step steps a learning-rate scheduler (``self.lr_schedulers()
-    .step()``, or one kept on the module): replays run no Python, so its count would freeze while the lr math it
-    did on the capturable lr tensors replays every step. For the capture only (``step`` is swapped on every
-    scheduler class that defines one, then restored)."""
-    classes = [cls for cls in dict.fromkeys(_subclasses(LRScheduler) + _subclasses(ReduceLROnPlateau))
-               if "step" in vars(cls)]
-    originals = [vars(cls)["step"] for cls in classes]
+class _SchedulerGuard:
+    """``step`` of every scheduler class swapped, while any thread captures, for one that refuses on the capturing
+    threads and steps as usual on the others (a DataLoader thread, another fit: an Optuna study's n_jobs)."""
 
-    def step(scheduler: Any, *args: Any, **kwargs: Any) -> None:
-        raise GraphCaptureError(
-            f"the training step steps the learning-rate scheduler {type(scheduler).__name__} at "
-            f"{user_source_line()}: a replay runs no Python, so the schedule would not advance. Let Lightning step "
-            "it after each step: return {'optimizer': ..., 'lr_scheduler': {'scheduler': ..., 'interval': "
-            "'step'}} from configure_optimizers (or step it in on_train_batch_end)", module_name="training_step")
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._users = 0
+        self._originals: List[Tuple[type, Callable]] = []
+        self._local = threading.local()
 
-    for cls in classes:
-        cls.step = step
-    try:
-        yield
-    finally:
-        for cls, original in zip(classes, originals):
-            cls.step = original
+    @contextlib.contextmanager
+    def refusing(self) -> Iterator[None]:
+        with self._lock:
+            if self._users == 0:
+                classes = dict.fromkeys(_subclasses(LRScheduler) + _subclasses(ReduceLROnPlateau))
+                self._originals = [(cls, vars(cls)["step"]) for cls in classes if "step" in vars(cls)]
+                for cls, original in self._originals:
+                    cls.step = self._guarded(original)
+            self._users += 1
+        self._local.capturing = True
+        try:
+            yield
+        finally:
+            self._local.capturing = False
+            with self._lock:
+                self._users -= 1
+                if self._users == 0:
+                    for cls, original in self._originals:
+                        cls.step = original
+                    self._originals = []
+
+    def _guarded(self, original: Callable) -> Callable:
+        @functools.wraps(original)
+        def step(scheduler: Any, *args: Any, **kwargs: Any) -> Any:
+            if not getattr(self._local, "capturing", False):
+                return original(scheduler, *args, **kwargs)
+            raise GraphCaptureError(
+                f"the training step steps the learning-rate scheduler {type(scheduler).__name__} at "
+                f"{user_source_line()}: a replay runs no Python, so the schedule would not advance. Let Lightning "
+                "step it after each step: return {'optimizer': ..., 'lr_scheduler': {'scheduler': ..., 'interval': "
+                "'step'}} from configure_optimizers (or step it in on_train_batch_end)", module_name="training_step")
+        return step
 
 
 def _subclasses(cls: type) -> List[type]:
     return [cls] + [c for sub in cls.__subclasses__() for c in _subclasses(sub)]
+
+
+# refuse_scheduler_steps(): a context manager, for the capture. The captured step must not step a learning-rate
+# scheduler (self.lr_schedulers().step(), or one kept on the module): replays run no Python, so its count would
+# freeze while the lr math it did on the capturable lr tensors replays every step.
+refuse_scheduler_steps = _SchedulerGuard().refusing
 
 
 class WatchedIndex(int):

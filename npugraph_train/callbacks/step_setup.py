@@ -14,9 +14,9 @@ from torch.optim.lr_scheduler import CyclicLR, OneCycleLR
 
 from ..optim.capturable import chained_schedulers
 
-# Hooks that run inside the captured region: once at capture, never again in Python.
-_CLOSURE_HOOKS = ("on_before_backward", "on_after_backward", "on_before_optimizer_step", "on_before_zero_grad",
-                  "optimizer_zero_grad", "backward", "configure_gradient_clipping")
+# Hooks that run inside the captured region: once at capture, never again in Python. Callbacks have the first four.
+_CALLBACK_STEP_HOOKS = ("on_before_backward", "on_after_backward", "on_before_optimizer_step", "on_before_zero_grad")
+_CLOSURE_HOOKS = _CALLBACK_STEP_HOOKS + ("optimizer_zero_grad", "backward", "configure_gradient_clipping")
 
 
 def check_trainer(trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
@@ -48,7 +48,7 @@ def check_trainer(trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> Non
             refuse(f"with {type(cb).__name__}, which changes the trained parameters or optimizer during fit",
                    "remove it, or use mode='submodules'")
     overridden = [h for h in _CLOSURE_HOOKS if is_overridden(h, pl_module)]
-    overridden += [f"{type(cb).__name__}.{h}" for cb in callbacks_inside_step(trainer) for h in _CLOSURE_HOOKS[:4]
+    overridden += [f"{type(cb).__name__}.{h}" for cb in callbacks_inside_step(trainer) for h in _CALLBACK_STEP_HOOKS
                    if is_overridden(h, cb, pl.Callback)]
     if overridden:
         rank_zero_warn(f"NPUGraphCallback(mode='whole_step'): {', '.join(overridden)} run inside the captured "
@@ -58,7 +58,7 @@ def check_trainer(trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> Non
 
 def callbacks_inside_step(trainer: "pl.Trainer") -> List[pl.Callback]:
     """The callbacks with hooks that run inside the captured step (on_before_backward, ...)."""
-    return [cb for cb in trainer.callbacks if any(is_overridden(h, cb, pl.Callback) for h in _CLOSURE_HOOKS[:4])]
+    return [cb for cb in trainer.callbacks if any(is_overridden(h, cb, pl.Callback) for h in _CALLBACK_STEP_HOOKS)]
 
 
 def check_schedulers(trainer: "pl.Trainer") -> None:

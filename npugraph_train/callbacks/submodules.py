@@ -78,7 +78,7 @@ class SubmoduleGrapher:
         self._samples: Dict[str, Tuple[tuple, dict]] = {}
         self._order: List[str] = []
         self._recorded_key: Optional[BatchKey] = None
-        self._recorded_whole_step = False  # the recording step reached on_train_batch_end (not skipped)
+        self._recording_complete = False  # the recording step reached on_train_batch_end (not skipped)
         self._capture_delay = 0
         self._hooks: List[Any] = []
         self._last_report: List[Dict[str, Any]] = []
@@ -99,10 +99,10 @@ class SubmoduleGrapher:
         that step's (see :mod:`.batch`), else record this step's inputs."""
         key = key_of(batch, values=False)  # the graphs see module inputs, not the batch's ids or names
         # A recording step that Lightning skipped (on_train_batch_start returned -1) recorded nothing to capture.
-        if warmed_up and self._recorded_whole_step and ready_to_capture(key, self._recorded_key, self._capture_delay):
+        if warmed_up and self._recording_complete and ready_to_capture(key, self._recorded_key, self._capture_delay):
             self.capture(forward_context)
             return
-        if warmed_up and self._recorded_whole_step:
+        if warmed_up and self._recording_complete:
             self._capture_delay += 1
             rank_zero_warn(f"NPUGraphCallback: capture waits for a batch shaped like the one before it (so that a "
                            f"short last batch is not the shape captured): this step's batch {describe(key)} is "
@@ -112,7 +112,7 @@ class SubmoduleGrapher:
 
     def start_recording(self) -> None:
         self.stop_recording()
-        self._samples, self._order, self._recorded_whole_step = {}, [], False
+        self._samples, self._order, self._recording_complete = {}, [], False
         with_grad: Dict[str, bool] = {}
         for name, module in self.modules:
             def record(mod: nn.Module, args: tuple, kwargs: dict, name: str = name) -> None:
@@ -134,7 +134,7 @@ class SubmoduleGrapher:
     def stop_recording(self, step_ended: bool = False) -> None:
         """Remove the recording hooks; ``step_ended``: the training step they recorded ran to its end."""
         if step_ended and self._hooks:
-            self._recorded_whole_step = True
+            self._recording_complete = True
         for hook in self._hooks:
             hook.remove()
         self._hooks = []
@@ -198,6 +198,7 @@ class SubmoduleGrapher:
     def release(self) -> None:
         """Restore the original forwards; keep the final counters for :meth:`report`."""
         self.stop_recording()
+        self._samples, self._order = {}, []  # one step's module inputs, recorded for a capture that did not come
         for hook in self._count_hooks:
             hook.remove()
         self._count_hooks = []

@@ -11,8 +11,8 @@ on the replay path is: one ``tree_flatten`` of the batch and a comparison of its
 ``log`` calls and a clone of the step's outputs.
 
 What a captured step cannot honour is refused when the fit starts (:mod:`.step_setup`), what the graph bakes
-in is checked before each replay and what the step must not do at capture (:mod:`.step_checks`); a changed
-setup captures the step again. ``self.log`` calls are recorded at capture and logged again after each
+in is checked before each replay and what the step must not do at capture (:mod:`.step_checks`; Python
+values it changes: :mod:`.host_state`); a changed setup captures the step again. ``self.log`` calls are recorded at capture and logged again after each
 replay (:mod:`.step_logs`).
 """
 from __future__ import annotations
@@ -92,6 +92,9 @@ class WholeStepGrapher:
         self.attributes: Optional[StateAttributes] = None
         self.status = NOT_CAPTURED
         self._waited_for_filled = False  # one eager step already let attributes that held nothing fill
+        self._waited_for_host_values = False  # one eager step already followed a step with another batch
+        self.last_key: Optional[BatchKey] = None  # the batch of the previous training step
+        self.after_like_batch = False  # this step's batch is like the previous step's
         self._warned: set = set()  # kinds of eager steps warned about
         self._loop: Optional[_WholeStepOptimization] = None
         self._original_loop: Optional[_AutomaticOptimization] = None
@@ -132,7 +135,7 @@ class WholeStepGrapher:
     def uninstall(self, trainer: "pl.Trainer") -> None:
         if self._original_loop is not None:
             trainer.fit_loop.epoch_loop.automatic_optimization = self._original_loop
-            self._original_loop = None
+            self._original_loop, self._loop = None, None
         precision = trainer.precision_plugin
         if "clip_grad_by_norm" in precision.__dict__:
             del precision.clip_grad_by_norm
@@ -158,12 +161,12 @@ class WholeStepGrapher:
         if "batch_idx" in static_kwargs:
             static_kwargs["batch_idx"] = WatchedIndex(static_kwargs["batch_idx"], self._warn_host_read)
         optimizer.zero_grad(set_to_none=True)  # backward allocates the gradients inside the graph
+        attributes = StateAttributes(module, holders=is_metric)
+        host_state = HostState(module, unwrap(optimizer), callbacks_inside_step(loop.trainer))
         self.logs = StepLogRecorder(module)
         module.log = self.logs
         self.graph = Graph(self.backend)
         progress = copy.deepcopy(loop.optim_progress.state_dict())
-        attributes = StateAttributes(module, holders=is_metric)
-        host_state = HostState(module, unwrap(optimizer), callbacks_inside_step(loop.trainer))
         opt = unwrap(optimizer)
         had_state = set(opt.state)
         failure: Optional[GraphCaptureError] = None
@@ -184,8 +187,9 @@ class WholeStepGrapher:
             if isinstance(static_kwargs.get("batch_idx"), WatchedIndex):
                 static_kwargs["batch_idx"].stop_watching()
         carried_failure = rebinding_error(module, carried) if failure is None and carried else None
-        failure = (failure or carried_failure or self._batch_reshaped(layouts)
-                   or python_state_error(host_state.changed()))
+        changed = host_state.changed()
+        state_failure = python_state_error(changed)
+        failure = failure or carried_failure or self._batch_reshaped(layouts) or state_failure
         self._warn_if_batch_changed(static_kwargs["batch"], spec)
         self.written_leaves = [i for i, (leaf, version) in enumerate(zip(self.static_leaves, versions))
                                if isinstance(leaf, torch.Tensor) and leaf._version != version]
@@ -194,36 +198,44 @@ class WholeStepGrapher:
         fresh = [p for p in opt.state if p not in had_state]
         for p in fresh:  # made by the capture, failed or not: never computed (NaN on the emulator)
             del opt.state[p]
+
+        def run_eager(reason: str, kind: Optional[str] = None) -> Dict[str, Any]:
+            """This step runs eager instead, as if the capture had not been (it ran no kernels: the emulator
+            undoes its own; only the step counters and the step's Python values moved)."""
+            self.graph = None
+            host_state.restore()
+            loop.optim_progress.load_state_dict(progress)
+            return loop.eager_step(optimizer, batch_idx, kwargs, reason, kind=kind)
+
         if attributes.filled and not self._waited_for_filled and failure is carried_failure:
             # The step found them empty (reset at an epoch's start, say) and filled them. Capture a step that
             # sees them filled instead, where a step that reads them (an RNN's hidden state) is told apart
             # from one that only writes them.
             self._waited_for_filled = True
             attributes.restore()
-            host_state.restore()  # the step runs again eager: its Python must find them as before
-            self.graph = None
-            loop.optim_progress.load_state_dict(progress)
-            return loop.eager_step(optimizer, batch_idx, kwargs, f"capture waits: {', '.join(attributes.filled)} "
-                                   "held nothing (None, or an empty list or dict) before the step that was to be "
-                                   "captured; the next step, which finds them filled, is captured instead",
-                                   kind="filled")
+            return run_eager(f"capture waits: {', '.join(attributes.filled)} held nothing (None, or an empty list or "
+                             "dict) before the step that was to be captured; the next step, which finds them filled, "
+                             "is captured instead", kind="filled")
+        if failure is not None and failure is state_failure and not (self.after_like_batch
+                                                                     or self._waited_for_host_values):
+            # Values a step writes from its batch (self.n = x.shape[0]) differ after a step with another batch (a
+            # short last one); after a step like it, only state carried from step to step changes.
+            self._waited_for_host_values = True
+            return run_eager(f"capture waits: the step changed Python values ({', '.join(changed[:3])}) after a step "
+                             "with another batch; the next step is captured if it follows one like it",
+                             kind="host values")
         if failure is None and fresh:
-            self.graph = None
-            host_state.restore()
-            loop.optim_progress.load_state_dict(progress)
-            return loop.eager_step(optimizer, batch_idx, kwargs, "capture waits for an eager step to create the "
-                                   "optimizer state of newly trained parameters")
+            return run_eager("capture waits for an eager step to create the optimizer state of newly trained "
+                             "parameters")
         if failure is not None:
-            self.graph = None
-            host_state.restore()
             if self.config.on_failure == "raise":
+                self.graph = None
+                host_state.restore()
                 raise GraphCaptureError(f"capturing the training step failed: {failure}",
                                         module_name="training_step") from failure
-            # Capture ran no kernels (the emulator undoes its own): only the step counters moved.
-            loop.optim_progress.load_state_dict(progress)
             self.active, self.failed, self.status = False, True, f"capture failed, runs eager: {failure}"
             rank_zero_warn(f"NPUGraphCallback(mode='whole_step'): the training step {self.status}")
-            return loop.eager_step(optimizer, batch_idx, kwargs, "capture failed (on_failure='eager')")
+            return run_eager("capture failed (on_failure='eager')")
         self.attributes = attributes
         self.key = key
         self.capture_seconds = time.perf_counter() - started
@@ -244,6 +256,7 @@ class WholeStepGrapher:
         self.recapture_reason = None
         self.status = "graphed"
         self._waited_for_filled = False  # a later recapture may land on an epoch's first batch again
+        self._waited_for_host_values = False
         # Capture runs no kernels: this replay is the capture step's update.
         return self.replay_step(loop, batch=kwargs["batch"])
 
@@ -328,16 +341,26 @@ class WholeStepGrapher:
                            "Each change costs a capture (counted in NPUGraphCallback.report()): a setting changed "
                            "every step is better kept constant (learning rates may change: they are read from device "
                            "tensors), or use mode='submodules'")
-        self.graph, self.static_leaves, self.static_result, self.static_grads = None, [], {}, []
+        self._drop_graph()
         self.recapture_reason, self.capture_delay = reason, 0
 
+    def _drop_graph(self) -> None:
+        # The graph's pool holds what it wrote: the static buffers, and tensors bound to attributes and logged.
+        self.graph, self.static_leaves, self.static_result, self.static_grads = None, [], {}, []
+        self.attributes, self.logs = None, None
+
     def release(self) -> None:
-        self.graph = None
+        """After fit: free the graph and its pool; what it leaves (gradients, written attributes) is copied out."""
+        for p, g in self.static_grads:
+            if p.grad is g:  # a device pool stays reserved while any block of it lives
+                p.grad = g.clone()
+        if self.attributes is not None:
+            self.attributes.bind_copies()
+        self._drop_graph()
         self.active = False
         if self.status == NOT_CAPTURED:
             self.status = ENDED_BEFORE_CAPTURE
-        self.static_leaves, self.static_result, self.logs = [], {}, None
-        self.static_grads = []
+        self.baked, self.optimizer = BakedSetup(), None
 
     def report(self) -> List[Dict[str, Any]]:
         # One row per batch shape and reason: a setting changed every step is one row, not one per step.
@@ -378,6 +401,7 @@ class _WholeStepOptimization(_AutomaticOptimization):
         grapher.baked.adopt_lrs(opt.param_groups)  # also on eager steps: they and a capture read the same lr tensors
         leaves, spec = tree_flatten(kwargs["batch"])
         key = batch_key(leaves, spec)
+        grapher.after_like_batch, grapher.last_key = key == grapher.last_key, key
         if grapher.graph is not None:
             if grapher.attributes is not None:
                 # An eager step since the last replay rebound them; a replay runs no Python, so this is the

@@ -222,7 +222,9 @@ class CapturedSignature:
             address = storage_address(t)  # None for empty tensors, which all have address 0
             if address is not None:
                 saved[address] = StorageWeakRef(t.untyped_storage())
-            return t
+            # Not t itself: an output its own grad_fn saves would then hold that grad_fn, a cycle through C++
+            # that no gc finds, which pins the pool until a backward runs (never, if the capture fails).
+            return t.detach()
 
         with graph(self.fwd_graph, pool=self.pool, capture_error_mode=self.owner.capture_error_mode,
                    auto_dispatch_capture=self.owner.auto_dispatch_capture), \

@@ -9,6 +9,7 @@ graphed callables (a module's forward) and the whole-step capture (``training_st
 from __future__ import annotations
 
 import itertools
+import weakref
 from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 import torch
@@ -40,7 +41,7 @@ SCALAR_TYPES = (bool, int, float, str)
 
 def _accepted(holders: Callable[[Any], bool], value: Any) -> bool:
     try:
-        return hasattr(value, "__dict__") and holders(value)
+        return not isinstance(value, torch.nn.Module) and hasattr(value, "__dict__") and holders(value)
     except Exception:  # a dead weakref.proxy, a property that raises: not a metric object
         return False
 
@@ -105,8 +106,9 @@ MODULE_INTERNALS = frozenset(torch.nn.Module().__dict__) - {"training"}
 
 
 def scalar_changed(before: Any, now: Any) -> bool:
-    # By type first: a tensor stored where a number was compares to no bool.
-    return now is not before and (type(now) is not type(before) or now != before)
+    # By type first: a tensor stored where a number was compares to no bool. NaN is NaN again (self.best = nan).
+    return now is not before and (type(now) is not type(before) or (now != before and not (
+        isinstance(now, float) and now != now and before != before)))
 
 
 class StorageReads(TorchDispatchMode):
@@ -150,7 +152,7 @@ class StateAttributes:
         owners: List[Tuple[str, Any]] = list(root.named_modules())
         owners += [(f"{path + '.' if path else ''}{attr}", value) for path, module in list(owners)
                    for attr, value in vars(module).items()
-                   if not isinstance(value, torch.nn.Module) and _accepted(holders, value)]
+                   if _accepted(holders, value)]
         for path, module in owners:
             is_module = isinstance(module, torch.nn.Module)
             skip = recomputed_by_hooks(module) if is_module and module._forward_pre_hooks else ()
@@ -158,6 +160,8 @@ class StateAttributes:
                 for attr, value in getattr(module, where).items():
                     if where == "__dict__" and attr in ("_parameters", "_buffers", "_modules"):
                         continue  # nn.Module's own registries: their entries are tracked one by one
+                    if type(value) in weakref.ProxyTypes:
+                        continue  # a weak reference (isinstance would raise on a dead one): no state held here
                     if attr not in skip and (value is None or tensors_in(value)
                                              or (isinstance(value, (list, dict)) and not value)):
                         self._before.append((path, module, where, attr, value, _snapshot(value)))

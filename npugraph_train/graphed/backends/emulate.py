@@ -204,7 +204,7 @@ class _HostReadGuard(TorchFunctionMode):
             # Host data on the device: a copy that breaks capture (CUDA: pytorch#168991), also for one number.
             name = "Tensor.new_tensor" if func is torch.Tensor.new_tensor else f"torch.{func.__name__}"
             raise _capture_error(f"{name}(..., device=...) copies host data to the device (use torch.full(shape, "
-                                 "value, device=...), or device='cpu' for a host tensor)")
+                                 "value, device=...); a 0-dim host value takes device='cpu')")
         if func is torch.nn.functional.one_hot:
             return _one_hot(*args, **(kwargs or {}))
         return func(*args, **(kwargs or {}))
@@ -439,8 +439,10 @@ class EmulatedGraph:
         # Positions among the fresh returns, as replay finds them again (an empty tensor's data_ptr is 0,
         # so an empty output matches an empty input and is left out, while the outputs after it are not).
         kept = [n for n, t in enumerate(returned) if _storage_key(t) not in inputs]
-        if not writes and not kept and schema.returns:
-            return  # a view: it aliases captured memory already (ops returning nothing, _assert_async, replay)
+        if not writes and not kept and (schema.returns or func.namespace != "aten"):
+            # A view aliases captured memory already. ATen ops that return nothing (_assert_async) replay; the
+            # profiler's record_function markers around optimizer steps do not.
+            return
         for n in kept:
             key = _storage_key(returned[n])
             if key not in self._born:

@@ -1,0 +1,92 @@
+import logging
+import threading
+import types
+import weakref
+
+import pytest
+import torch
+import torch.nn as nn
+
+from npugraph_train.callbacks.host_state import HostState
+from npugraph_train.callbacks.step_checks import refuse_scheduler_steps
+from npugraph_train.graphed import GraphCaptureError
+
+
+class Holder(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(2, 2)
+        self.seen = 0
+        self.pair = ([], [])
+        self.scale = torch.tensor(2.0)
+        self.best = float("nan")
+        self.stats = types.SimpleNamespace(steps=0, _cache={})
+        self.console = logging.getLogger("tests.host_state")
+        self.files = list(range(5000))  # data, not step state: too large to watch
+
+
+def _step(m, opt):
+    m.seen += 8
+    m.pair[0].append(1.0)
+    m.scale = 3.0  # a host value where a tensor was
+    opt.param_groups[0]["lr"] = 0.05
+    m.best = float("nan")  # a new NaN object: the same value
+    m.stats.steps += 1
+    m.stats._cache["x"] = 1  # an object's private cache
+    m.lin.made = True
+    m.files.append(-1)
+
+
+def test_changes_are_named_and_restored_as_before():
+    m = Holder()
+    opt = torch.optim.SGD(m.parameters(), lr=torch.tensor(0.1))
+    scale, lr, pair = m.scale, opt.param_groups[0]["lr"], m.pair
+    state = HostState(m, opt)
+    _step(m, opt)
+    assert state.changed() == ["seen (0 -> 8)", "pair (([], []) -> ([1.0], []))", "scale (Tensor -> 3.0)",
+                               "stats.steps (0 -> 1)", "lin.made (unset -> True)",
+                               "optimizer.param_groups[0].lr (Tensor -> 0.05)"]
+    state.restore()
+    assert state.changed() == []
+    assert m.seen == 0 and m.pair == ([], []) and m.pair[0] is not pair[0] and m.stats.steps == 0
+    assert m.scale is scale and opt.param_groups[0]["lr"] is lr and not hasattr(m.lin, "made")
+
+
+def test_weak_references_and_library_objects_are_left_alone():
+    class Owner:
+        pass
+
+    m = Holder()
+    owner = Owner()
+    m.owner = weakref.proxy(owner)
+    del owner  # a dead proxy: isinstance on it raises
+    m.console.setLevel(logging.INFO)
+    state = HostState(m, None)
+    logging.getLogger("elsewhere").setLevel(logging.INFO)  # clears every Logger's _cache, which the step refills
+    m.console.info("step")
+    assert state.changed() == []
+
+
+def test_schedulers_are_refused_only_on_the_capturing_thread():
+    opt = torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=0.1)
+    scheduler = torch.optim.lr_scheduler.StepLR(opt, 1, 0.5)
+    inside, outside, done = threading.Event(), threading.Event(), threading.Event()
+
+    def capture():
+        with refuse_scheduler_steps():
+            inside.set()
+            outside.wait(timeout=30)
+            with pytest.raises(GraphCaptureError, match="steps the learning-rate scheduler StepLR"):
+                scheduler.step()
+        done.set()
+
+    thread = threading.Thread(target=capture, daemon=True)
+    thread.start()
+    inside.wait(timeout=30)
+    try:
+        scheduler.step()  # another thread (another fit) steps as usual while one captures
+    finally:
+        outside.set()
+        thread.join(timeout=30)
+    assert done.is_set() and scheduler.last_epoch == 1
+    assert torch.optim.lr_scheduler.LRScheduler.step.__qualname__ == "LRScheduler.step"
