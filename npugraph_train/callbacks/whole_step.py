@@ -12,8 +12,8 @@ on the replay path is: one ``tree_flatten`` of the batch and a comparison of its
 
 What a captured step cannot honour is refused when the fit starts (:mod:`.step_setup`), what the graph bakes
 in is checked before each replay and what the step must not do at capture (:mod:`.step_checks`; Python
-values it changes: :mod:`.host_state`); a changed setup captures the step again. ``self.log`` calls are recorded at capture and logged again after each
-replay (:mod:`.step_logs`).
+values it changes: :mod:`.host_state`); a changed setup captures the step again. ``self.log`` calls are
+recorded at capture and logged again after each replay (:mod:`.step_logs`).
 """
 from __future__ import annotations
 

@@ -201,7 +201,8 @@ class StateAttributes:
             # A registered buffer rebound is state even though every step reads its storage (unless it is
             # only a view of another buffer or a parameter: self.mask = self.full_mask[:n]).
             read = [t for t in old if (storage_address(t) is not None and storage_address(t) in self.reads.read and (
-                storage_address(t) not in own or (where == "_buffers" and t is value and id(t._base) not in self._own_ids)))
+                storage_address(t) not in own
+                or (where == "_buffers" and t is value and id(t._base) not in self._own_ids)))
                 or any(t is e for e in escaped)]
             if grew or moved or read:
                 carried.append(f"{path}.{attr}" if path else attr)
