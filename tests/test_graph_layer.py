@@ -247,6 +247,25 @@ def test_transformer_padding_mask_fast_path_is_refused_at_its_nested_tensor():
     assert torch.allclose(out, eager, atol=1e-5)
 
 
+@torch.library.custom_op("npugraph_tests::note_sum", mutates_args=())
+def _note_sum(x: torch.Tensor) -> None:
+    _NOTED.append(float(x.sum()))
+
+
+_NOTED: list = []
+
+
+def test_custom_ops_that_return_nothing_are_replayed():
+    x = torch.ones(3)
+    g = ng.Graph()
+    with ng.graph(g):
+        _note_sum(x * 2)
+    _NOTED.clear()
+    g.replay()
+    g.replay()
+    assert _NOTED == [6.0, 6.0]
+
+
 def test_device_side_asserts_are_replayed():
     x = torch.ones(3)
     g = ng.Graph()

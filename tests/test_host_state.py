@@ -20,7 +20,8 @@ class Holder(nn.Module):
         self.pair = ([], [])
         self.scale = torch.tensor(2.0)
         self.best = float("nan")
-        self.stats = types.SimpleNamespace(steps=0, _cache={})
+        self.stats = types.SimpleNamespace(steps=0, _seen={})
+        self.by_kind = ([], {})
         self.console = logging.getLogger("tests.host_state")
         self.files = list(range(5000))  # data, not step state: too large to watch
 
@@ -32,7 +33,9 @@ def _step(m, opt):
     opt.param_groups[0]["lr"] = 0.05
     m.best = float("nan")  # a new NaN object: the same value
     m.stats.steps += 1
-    m.stats._cache["x"] = 1  # an object's private cache
+    m.stats._seen["x"] = 1  # private fields are state too
+    m.by_kind[0].append(2.0)
+    del m.stats.steps
     m.lin.made = True
     m.files.append(-1)
 
@@ -43,12 +46,14 @@ def test_changes_are_named_and_restored_as_before():
     scale, lr, pair = m.scale, opt.param_groups[0]["lr"], m.pair
     state = HostState(m, opt)
     _step(m, opt)
-    assert state.changed() == ["seen (0 -> 8)", "pair (([], []) -> ([1.0], []))", "scale (Tensor -> 3.0)",
-                               "stats.steps (0 -> 1)", "lin.made (unset -> True)",
+    assert state.changed() == ["seen (0 -> 8)", "pair (([], []) -> ([1.0], []))",
+                               "by_kind (([], {}) -> ([2.0], {}))", "scale (Tensor -> 3.0)", "stats.steps (0 -> unset)",
+                               "stats._seen ({} -> {'x': 1})", "lin.made (unset -> True)",
                                "optimizer.param_groups[0].lr (Tensor -> 0.05)"]
     state.restore()
     assert state.changed() == []
-    assert m.seen == 0 and m.pair == ([], []) and m.pair[0] is not pair[0] and m.stats.steps == 0
+    assert m.seen == 0 and m.pair == ([], []) and m.pair[0] is pair[0], "refilled in place: aliases stay"
+    assert m.stats.steps == 0 and m.stats._seen == {} and m.by_kind == ([], {})
     assert m.scale is scale and opt.param_groups[0]["lr"] is lr and not hasattr(m.lin, "made")
 
 
@@ -68,6 +73,7 @@ def test_weak_references_and_library_objects_are_left_alone():
 
 
 def test_schedulers_are_refused_only_on_the_capturing_thread():
+    original = vars(torch.optim.lr_scheduler.LRScheduler)["step"]
     opt = torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=0.1)
     scheduler = torch.optim.lr_scheduler.StepLR(opt, 1, 0.5)
     inside, outside, done = threading.Event(), threading.Event(), threading.Event()
@@ -89,4 +95,27 @@ def test_schedulers_are_refused_only_on_the_capturing_thread():
         outside.set()
         thread.join(timeout=30)
     assert done.is_set() and scheduler.last_epoch == 1
-    assert torch.optim.lr_scheduler.LRScheduler.step.__qualname__ == "LRScheduler.step"
+    assert vars(torch.optim.lr_scheduler.LRScheduler)["step"] is original
+
+
+def test_replaced_objects_and_deleted_values_are_put_back():
+    m = Holder()
+    stats = m.stats
+    m.pending = 1.0  # set outside the step, which consumes it
+    state = HostState(m, None)
+    m.stats = types.SimpleNamespace(steps=5)
+    del m.pending
+    assert state.changed() == ["pending (1.0 -> unset)", "stats (SimpleNamespace -> SimpleNamespace)"]
+    state.restore()
+    assert m.stats is stats and m.pending == 1.0 and state.changed() == []
+
+
+def test_a_capture_inside_a_capture_keeps_refusing_after_it():
+    opt = torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=0.1)
+    scheduler = torch.optim.lr_scheduler.StepLR(opt, 1, 0.5)
+    with refuse_scheduler_steps():
+        with refuse_scheduler_steps():
+            pass
+        with pytest.raises(GraphCaptureError):
+            scheduler.step()
+    scheduler.step()

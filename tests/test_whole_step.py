@@ -738,6 +738,26 @@ def test_values_written_from_the_batch_wait_for_a_step_after_a_like_batch():
     assert any("capture waits: the step changed Python values (n (6 -> 8))" in r for r in row["eager_calls"])
 
 
+class LazyScaleAndSize(WritesBatchSize):
+    """A per-epoch cache made on first use, beside a value written from the batch."""
+
+    def on_train_epoch_start(self):
+        self.scale = None
+
+    def training_step(self, batch, batch_idx):
+        if self.scale is None:
+            self.scale = torch.full((1, 4), 0.5)
+        return super().training_step((batch[0] * self.scale, batch[1]), batch_idx)
+
+
+def test_a_discarded_capture_leaves_no_graph_tensors_in_attributes():
+    # The recapture at each epoch's start both fills the cache and changes n: it waits, and the eager step that
+    # runs instead must find the cache as before the capture (None), not bound to the capture's tensor.
+    eager = _train_only(LazyScaleAndSize, [DecayFromEpochOne()], max_steps=20)
+    graphed = _train_only(LazyScaleAndSize, [DecayFromEpochOne(), NPUGraphCallback(mode="whole_step")], max_steps=20)
+    assert _same(eager, graphed)
+
+
 class StepsSchedulerInStep(Scheduled):
     def __init__(self, registered=True):
         super().__init__()

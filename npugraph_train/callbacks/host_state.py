@@ -19,20 +19,21 @@ from __future__ import annotations
 import copy
 import functools
 import weakref
-from typing import Any, Dict, Iterable, List, Tuple
+from typing import Any, Dict, Iterable, List, NamedTuple, Tuple
 
 import lightning.pytorch as pl
 import torch
 
-from ..graphed.state_attributes import MODULE_INTERNALS, SCALAR_TYPES, scalar_changed
+from ..graphed.state_attributes import MODULE_INTERNALS, SCALAR_TYPES, scalar_changed, tensors_in
 
 _NOT_STATE = MODULE_INTERNALS | {"training"}
 _MISSING = object()
-# Objects of these packages keep their own bookkeeping (a DictConfig's nodes, an optimizer's flags): not user state.
-_LIBRARIES = ("torch", "lightning", "npugraph_train", "omegaconf")
+# Objects of these packages keep their own bookkeeping (a DictConfig's nodes, an optimizer's flags, a Logger's
+# cache): not user state.
+_LIBRARIES = ("torch", "lightning", "npugraph_train", "omegaconf", "logging")
 # Data a module may hold (file lists, vocabularies): not step state, and costly to copy at every capture.
 _DATA = (torch.utils.data.Dataset, torch.utils.data.DataLoader, pl.LightningDataModule)
-_LARGEST = 1000  # containers with more entries are not watched (a step's own state starts small)
+_LARGEST = 1000  # containers with more entries when the capture starts are not watched (a step's state starts small)
 
 
 @functools.lru_cache(maxsize=None)
@@ -65,8 +66,12 @@ def _is_plain_object(value: Any) -> bool:
         return False
 
 
-def _private_keys(holder: Dict[str, Any]) -> frozenset:
-    return frozenset(key for key in holder if key.startswith("_"))  # an object's caches (a Logger's _cache)
+class _Holder(NamedTuple):
+    name: str  # as the user knows it: "stats", "optimizer.param_groups[0]", a callback's class name
+    values: Dict[str, Any]  # the dict the values live in (a module's or object's __dict__, a param group)
+    skip: frozenset  # keys that are no state of the step
+    bound: Dict[str, Any]  # every entry as bound when the capture started
+    copies: Dict[str, Any]  # copies of the host values among them (lists and dicts change in place)
 
 
 class HostState:
@@ -74,54 +79,68 @@ class HostState:
     callbacks, as they are now; see the module docstring."""
 
     def __init__(self, root: torch.nn.Module, optimizer: Any, callbacks: Iterable[Any] = ()) -> None:
-        # (name shown, the dict holding the values, keys not to look at)
-        self._holders: List[Tuple[str, Dict[str, Any], frozenset]] = []
+        holders: List[Tuple[str, Dict[str, Any], frozenset]] = []
         for path, module in root.named_modules():
             skip = _NOT_STATE | (_lightning_internals() if module is root else frozenset())
-            self._holders.append((path, vars(module), skip))
-            for attr, value in vars(module).items():
-                if attr not in skip and _is_plain_object(value):
-                    self._holders.append((_join(path, attr), vars(value), _private_keys(vars(value))))
-        for i, group in enumerate(getattr(optimizer, "param_groups", ())):
-            self._holders.append((f"optimizer.param_groups[{i}]", group, frozenset({"params"})))
-        for callback in callbacks:
-            self._holders.append((type(callback).__name__, vars(callback), _private_keys(vars(callback))))
-        # per holder: every entry as bound now, and copies of the host values (lists and dicts change in place)
-        self._bound = [dict(holder) for _, holder, _ in self._holders]
-        self._copies = [{key: copy.deepcopy(value) for key, value in holder.items()
-                         if key not in skip and is_host_value(value)} for _, holder, skip in self._holders]
-
-    def _changes(self) -> Iterable[Tuple[str, Dict[str, Any], str, Any, Any, Any]]:
-        """(name, holder, key, object bound before or _MISSING, its value then, value now) of each host value now
-        that differs (a value then that is no host value is what a host value replaced: a tensor lr, say)."""
-        for (name, holder, skip), bound, copies in zip(self._holders, self._bound, self._copies):
-            for key, now in holder.items():
-                if key in skip or not is_host_value(now):
-                    continue  # tensors stored where a value was are the attributes' check
-                was = bound.get(key, _MISSING)
-                before = copies.get(key, was)
-                if was is _MISSING or key not in copies or scalar_changed(before, now):
-                    yield name, holder, key, was, before, now
+            holders.append((path, vars(module), skip))
+            holders += [(_join(path, attr), vars(value), frozenset()) for attr, value in vars(module).items()
+                        if attr not in skip and _is_plain_object(value)]
+        holders += [(f"optimizer.param_groups[{i}]", group, frozenset({"params"}))
+                    for i, group in enumerate(getattr(optimizer, "param_groups", ()))]
+        holders += [(type(callback).__name__, vars(callback), frozenset()) for callback in callbacks]
+        self._holders = [_Holder(name, values, skip, dict(values),
+                                 {k: copy.deepcopy(v) for k, v in values.items() if k not in skip and is_host_value(v)})
+                         for name, values, skip in holders]
 
     def changed(self) -> List[str]:
-        """``name (before -> now)`` of each host value changed or made since."""
-        return [f"{_join(name, key)} ({_short(before)} -> {_short(now)})"
-                for name, _, key, _, before, now in self._changes()]
+        """``name (before -> now)`` of each host value changed, made or deleted since (a host value replaced by a
+        tensor is the tensor attributes' check)."""
+        changed = []
+        for holder in self._holders:
+            for key in dict.fromkeys([*holder.copies, *holder.values]):
+                if key in holder.skip:
+                    continue
+                before = holder.copies.get(key, holder.bound.get(key, _MISSING))
+                now = holder.values.get(key, _MISSING)
+                if key in holder.copies:
+                    differs = now is _MISSING or (not tensors_in(now) and scalar_changed(before, now))
+                else:  # made since, put where a tensor was, or a plain object replaced (self.stats = Stats())
+                    differs = is_host_value(now) or (now is not before and _is_plain_object(before))
+                if differs:
+                    changed.append(f"{_join(holder.name, key)} ({_short(before)} -> {_short(now)})")
+        return changed
 
     def restore(self) -> None:
-        """The changed host values as they were (lists and dicts refilled in place); those made since removed."""
-        for _, holder, key, bound, before, _ in list(self._changes()):
-            if bound is _MISSING:
-                del holder[key]
-                continue
-            if isinstance(bound, list) and is_host_value(before):
-                bound[:] = copy.deepcopy(before)
-            elif isinstance(bound, dict) and is_host_value(before):
-                bound.clear()
-                bound.update(copy.deepcopy(before))
-            elif is_host_value(before) and not isinstance(before, SCALAR_TYPES + (type(None),)):
-                bound = copy.deepcopy(before)  # a tuple, maybe holding lists changed in place
-            holder[key] = bound
+        """Every value as bound when the capture started, lists and dicts refilled in place (so that other
+        references to them see it); host values made since are removed."""
+        for holder in self._holders:
+            for key, now in list(holder.values.items()):
+                if key not in holder.skip and key not in holder.bound and is_host_value(now):
+                    del holder.values[key]
+            for key, bound in holder.bound.items():
+                if key in holder.skip:
+                    continue
+                if key in holder.copies:
+                    holder.values[key] = _refilled(bound, holder.copies[key])
+                elif holder.values.get(key, _MISSING) is not bound and (
+                        key not in holder.values or is_host_value(holder.values[key]) or _is_plain_object(bound)):
+                    holder.values[key] = bound  # deleted, a host value put where a tensor was, an object replaced
+
+
+def _refilled(current: Any, saved: Any) -> Any:
+    """``current`` holding ``saved``'s values again: lists and dicts (also inside tuples) in place."""
+    if type(current) is list and type(saved) is list:
+        old = list(current)
+        current[:] = [_refilled(old[i], s) if i < len(old) else copy.deepcopy(s) for i, s in enumerate(saved)]
+        return current
+    if type(current) is dict and type(saved) is dict:
+        old = dict(current)
+        current.clear()
+        current.update({k: _refilled(old[k], s) if k in old else copy.deepcopy(s) for k, s in saved.items()})
+        return current
+    if type(current) is tuple and type(saved) is tuple and len(current) == len(saved):
+        return tuple(_refilled(c, s) for c, s in zip(current, saved))
+    return copy.deepcopy(saved)
 
 
 def _join(path: str, attr: str) -> str:
@@ -132,7 +151,7 @@ def _short(value: Any) -> str:
     if value is _MISSING:
         return "unset"
     if not is_host_value(value):
-        return type(value).__name__  # a tensor that a host value replaced
+        return type(value).__name__  # a tensor that a host value replaced, a container grown past watching
     text = repr(value)
     if len(text) <= 40:
         return text

@@ -16,7 +16,7 @@ import contextlib
 import functools
 import sys
 import threading
-from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Callable, ContextManager, Dict, Iterator, List, Optional, Tuple
 
 import lightning.pytorch as pl
 import torch
@@ -109,11 +109,12 @@ class _SchedulerGuard:
                 for cls, original in self._originals:
                     cls.step = self._guarded(original)
             self._users += 1
+        outer = getattr(self._local, "capturing", False)  # a capture inside a capture: keep refusing after it
         self._local.capturing = True
         try:
             yield
         finally:
-            self._local.capturing = False
+            self._local.capturing = outer
             with self._lock:
                 self._users -= 1
                 if self._users == 0:
@@ -138,10 +139,18 @@ def _subclasses(cls: type) -> List[type]:
     return [cls] + [c for sub in cls.__subclasses__() for c in _subclasses(sub)]
 
 
-# refuse_scheduler_steps(): a context manager, for the capture. The captured step must not step a learning-rate
-# scheduler (self.lr_schedulers().step(), or one kept on the module): replays run no Python, so its count would
-# freeze while the lr math it did on the capturable lr tensors replays every step.
-refuse_scheduler_steps = _SchedulerGuard().refusing
+_SCHEDULER_GUARD = _SchedulerGuard()
+
+
+def refuse_scheduler_steps() -> ContextManager[None]:
+    """While a step is captured on this thread, stepping a learning-rate scheduler raises ``GraphCaptureError``
+    (``self.lr_schedulers().step()``, or one kept on the module): replays run no Python, so its count would freeze
+    while the lr math it did on the capturable lr tensors replays every step::
+
+        with refuse_scheduler_steps(), graph(g):
+            ...  # the training step
+    """
+    return _SCHEDULER_GUARD.refusing()
 
 
 class WatchedIndex(int):

@@ -73,7 +73,7 @@ class WholeStepGrapher:
         self.static_leaves: List[Any] = []
         self.written_leaves: List[int] = []  # batch tensors the step writes in place, copied back after a replay
         self.key: Optional[BatchKey] = None
-        self.previous_key: Optional[BatchKey] = None  # the last eager step's batch, before capture
+        self.previous_key: Optional[BatchKey] = None  # the previous training step's batch
         self.capture_delay = 0
         self.static_result: Dict[str, Any] = {}
         self.static_grads: List[Tuple[torch.Tensor, torch.Tensor]] = []
@@ -93,8 +93,6 @@ class WholeStepGrapher:
         self.status = NOT_CAPTURED
         self._waited_for_filled = False  # one eager step already let attributes that held nothing fill
         self._waited_for_host_values = False  # one eager step already followed a step with another batch
-        self.last_key: Optional[BatchKey] = None  # the batch of the previous training step
-        self.after_like_batch = False  # this step's batch is like the previous step's
         self._warned: set = set()  # kinds of eager steps warned about
         self._loop: Optional[_WholeStepOptimization] = None
         self._original_loop: Optional[_AutomaticOptimization] = None
@@ -144,7 +142,8 @@ class WholeStepGrapher:
 
     # capture and replay --------------------------------------------------------------------------
     def capture(self, loop: "_WholeStepOptimization", optimizer: Any, batch_idx: int, kwargs: OrderedDict,
-                leaves: List[Any], spec: Any) -> Dict[str, Any]:
+                leaves: List[Any], spec: Any, after_like_batch: bool) -> Dict[str, Any]:
+        """Capture this step (``after_like_batch``: the previous step's batch was like this one)."""
         module = loop.trainer.lightning_module
         opaque = [type(leaf).__name__ for leaf in leaves if dataclasses.is_dataclass(leaf)]
         if opaque:
@@ -199,11 +198,15 @@ class WholeStepGrapher:
         for p in fresh:  # made by the capture, failed or not: never computed (NaN on the emulator)
             del opt.state[p]
 
-        def run_eager(reason: str, kind: Optional[str] = None) -> Dict[str, Any]:
-            """This step runs eager instead, as if the capture had not been (it ran no kernels: the emulator
-            undoes its own; only the step counters and the step's Python values moved)."""
+        def discard() -> None:
+            # The capture ran no kernels (the emulator undoes its own); its Python bound attributes and changed
+            # values, which the step, run again eager, must find as before.
             self.graph = None
+            attributes.restore()
             host_state.restore()
+
+        def run_eager(reason: str, kind: Optional[str] = None) -> Dict[str, Any]:
+            discard()
             loop.optim_progress.load_state_dict(progress)
             return loop.eager_step(optimizer, batch_idx, kwargs, reason, kind=kind)
 
@@ -212,12 +215,10 @@ class WholeStepGrapher:
             # sees them filled instead, where a step that reads them (an RNN's hidden state) is told apart
             # from one that only writes them.
             self._waited_for_filled = True
-            attributes.restore()
             return run_eager(f"capture waits: {', '.join(attributes.filled)} held nothing (None, or an empty list or "
                              "dict) before the step that was to be captured; the next step, which finds them filled, "
                              "is captured instead", kind="filled")
-        if failure is not None and failure is state_failure and not (self.after_like_batch
-                                                                     or self._waited_for_host_values):
+        if failure is not None and failure is state_failure and not (after_like_batch or self._waited_for_host_values):
             # Values a step writes from its batch (self.n = x.shape[0]) differ after a step with another batch (a
             # short last one); after a step like it, only state carried from step to step changes.
             self._waited_for_host_values = True
@@ -229,8 +230,7 @@ class WholeStepGrapher:
                              "parameters")
         if failure is not None:
             if self.config.on_failure == "raise":
-                self.graph = None
-                host_state.restore()
+                discard()
                 raise GraphCaptureError(f"capturing the training step failed: {failure}",
                                         module_name="training_step") from failure
             self.active, self.failed, self.status = False, True, f"capture failed, runs eager: {failure}"
@@ -355,7 +355,7 @@ class WholeStepGrapher:
             if p.grad is g:  # a device pool stays reserved while any block of it lives
                 p.grad = g.clone()
         if self.attributes is not None:
-            self.attributes.bind_copies()
+            self.attributes.bind_copies(final=True)
         self._drop_graph()
         self.active = False
         if self.status == NOT_CAPTURED:
@@ -401,7 +401,7 @@ class _WholeStepOptimization(_AutomaticOptimization):
         grapher.baked.adopt_lrs(opt.param_groups)  # also on eager steps: they and a capture read the same lr tensors
         leaves, spec = tree_flatten(kwargs["batch"])
         key = batch_key(leaves, spec)
-        grapher.after_like_batch, grapher.last_key = key == grapher.last_key, key
+        previous, grapher.previous_key = grapher.previous_key, key
         if grapher.graph is not None:
             if grapher.attributes is not None:
                 # An eager step since the last replay rebound them; a replay runs no Python, so this is the
@@ -414,15 +414,14 @@ class _WholeStepOptimization(_AutomaticOptimization):
                     return self.eager_step(optimizer, batch_idx, kwargs, grapher.unsettled)
         if grapher.graph is None:
             if grapher.recapture_reason is not None:
-                return self.recapture(optimizer, batch_idx, kwargs, leaves, spec, key)
-            previous, grapher.previous_key = grapher.previous_key, key
+                return self.recapture(optimizer, batch_idx, kwargs, leaves, spec, key, previous)
             if not grapher.active:
                 return super().run(optimizer, batch_idx, kwargs)  # a warmup step
             if not ready_to_capture(key, previous, grapher.capture_delay):
                 grapher.capture_delay += 1
                 return self.eager_step(optimizer, batch_idx, kwargs,
                                        "capture waits for a batch like the previous one (shapes, values)")
-            return grapher.capture(self, optimizer, batch_idx, kwargs, leaves, spec)
+            return grapher.capture(self, optimizer, batch_idx, kwargs, leaves, spec, key == previous)
         if key != grapher.key:
             if values_differ(key, grapher.key):
                 return self.eager_step(optimizer, batch_idx, kwargs,
@@ -439,7 +438,7 @@ class _WholeStepOptimization(_AutomaticOptimization):
         return result
 
     def recapture(self, optimizer: Any, batch_idx: int, kwargs: OrderedDict, leaves: List[Any], spec: Any,
-                  key: BatchKey) -> Dict[str, Any]:
+                  key: BatchKey, previous: Optional[BatchKey]) -> Dict[str, Any]:
         """Capture again after a setup change, on a batch like the captured one (waiting at most
         MAX_CAPTURE_DELAY steps)."""
         grapher = self.grapher
@@ -447,7 +446,7 @@ class _WholeStepOptimization(_AutomaticOptimization):
             grapher.capture_delay += 1
             return self.eager_step(optimizer, batch_idx, kwargs, "capture again waits for a batch like the "
                                    "captured one")
-        return grapher.capture(self, optimizer, batch_idx, kwargs, leaves, spec)
+        return grapher.capture(self, optimizer, batch_idx, kwargs, leaves, spec, key == previous)
 
     def eager_step(self, optimizer: Any, batch_idx: int, kwargs: OrderedDict, reason: str,
                    kind: Optional[str] = None) -> Dict[str, Any]:

@@ -97,9 +97,10 @@ class ModuleSettings:
     @staticmethod
     def differ(a: tuple, b: tuple) -> bool:
         try:
-            return a != b
+            unequal = a != b  # fast, on every call; NaN settings are unequal to themselves, so look closer
         except RuntimeError:  # a tensor stored where a setting was (comparing it gives no bool)
             return True
+        return unequal and (len(a) != len(b) or any(map(scalar_changed, a, b)))
 
     def change(self, before: tuple, now: tuple) -> str:
         if len(before) != len(now):

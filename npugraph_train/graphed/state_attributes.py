@@ -106,9 +106,22 @@ MODULE_INTERNALS = frozenset(torch.nn.Module().__dict__) - {"training"}
 
 
 def scalar_changed(before: Any, now: Any) -> bool:
-    # By type first: a tensor stored where a number was compares to no bool. NaN is NaN again (self.best = nan).
-    return now is not before and (type(now) is not type(before) or (now != before and not (
-        isinstance(now, float) and now != now and before != before)))
+    """Whether a host value (a number, string, flag, or a list, tuple or dict of them) differs; NaN is NaN again
+    (self.best = nan). By type first: a tensor stored where a number was compares to no bool."""
+    if now is before:
+        return False
+    if type(now) is not type(before):
+        return True
+    if isinstance(now, float):
+        return now != before and not (now != now and before != before)
+    if isinstance(now, (list, tuple)):
+        return len(now) != len(before) or any(map(scalar_changed, before, now))
+    if isinstance(now, dict):
+        return now.keys() != before.keys() or any(scalar_changed(before[k], now[k]) for k in now)
+    try:
+        return bool(now != before)
+    except Exception:  # no bool from comparing them
+        return True
 
 
 class StorageReads(TorchDispatchMode):
@@ -238,13 +251,18 @@ class StateAttributes:
             if id(module) in rebound:
                 module.__dict__[attr] = value
 
-    def bind_copies(self) -> None:
+    def bind_copies(self, final: bool = False) -> None:
         """Bind written-only attributes to copies of the graph's tensors, as a step leaves them: code that keeps
         what a step wrote (``self.history.append(self.last_loss)``) must not see later replays write into it.
-        Tensors that require grad stay guarded (see :meth:`guard_written_with_grad`)."""
+        Tensors that require grad stay guarded (see :meth:`guard_written_with_grad`) unless ``final`` (after the
+        last replay: detached copies, so that nothing of the graph's memory stays bound)."""
+        def copied(t: Any) -> Any:
+            if not isinstance(t, torch.Tensor) or (t.requires_grad and not final):
+                return t
+            return t.detach().clone() if final else t.clone()
+
         for _, module, where, attr, value, _ in self.written:
-            getattr(module, where)[attr] = tree_map(
-                lambda t: t.clone() if isinstance(t, torch.Tensor) and not t.requires_grad else t, value)
+            getattr(module, where)[attr] = tree_map(copied, value)
 
     def rebind_written(self) -> None:
         """Bind written-only attributes to the graph's tensors again (an eager step may have rebound them)."""

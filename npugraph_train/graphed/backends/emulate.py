@@ -439,9 +439,9 @@ class EmulatedGraph:
         # Positions among the fresh returns, as replay finds them again (an empty tensor's data_ptr is 0,
         # so an empty output matches an empty input and is left out, while the outputs after it are not).
         kept = [n for n, t in enumerate(returned) if _storage_key(t) not in inputs]
-        if not writes and not kept and (schema.returns or func.namespace != "aten"):
-            # A view aliases captured memory already. ATen ops that return nothing (_assert_async) replay; the
-            # profiler's record_function markers around optimizer steps do not.
+        if not writes and not kept and (schema.returns or func.namespace == "profiler"):
+            # A view aliases captured memory already. Ops that return nothing (_assert_async, a custom op's
+            # side effect) replay; the profiler's record_function markers around optimizer steps do not.
             return
         for n in kept:
             key = _storage_key(returned[n])
