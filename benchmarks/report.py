@@ -198,7 +198,7 @@ def model_table(rows: Dict[str, Dict[str, Any]], order: List[str]) -> str:
             fmt_s(rec["capture_s"]) if rec["capture_s"] is not None else "-",
             fmt_us(rec["floor_us"]) if rec["floor_us"] is not None else "-",
             fmt_x(rec["ratio_to_floor"]) if rec["ratio_to_floor"] is not None else "-",
-            f"{diff} ({ref})" if ref and diff != "-" else diff,
+            diff if not ref else f"{diff} ({ref})" if diff != "-" else f"n/a ({ref} not run)",
         ])
     legend = [f"- `{name}`: {rows[name]['label']}" for name in order if name in rows]
     return markdown_table(header, body) + "\n\n" + "\n".join(legend)

@@ -225,7 +225,7 @@ def why_nothing_replayed(rows: List[dict]) -> str:
 
 def describe_device(backend: Backend) -> str:
     if backend.device_type == "cpu":
-        return "cpu"
+        return f"cpu ({torch.get_num_threads()} torch thread{'s' if torch.get_num_threads() > 1 else ''})"
     module = getattr(torch, backend.device_type)
     return f"{backend.device_type}:{module.current_device()} ({module.get_device_name()})"
 
@@ -271,6 +271,9 @@ def check_settings(cfg: DictConfig) -> None:
         value = OmegaConf.select(cfg, key)
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise MisconfigurationException(f"{key}={value!r} must be a whole number of at least 1")
+    if cfg.model.width % cfg.model.heads:
+        raise MisconfigurationException(f"model.width={cfg.model.width} must be divisible by "
+                                        f"model.heads={cfg.model.heads}")
     if not cfg.model.lr > 0:
         raise MisconfigurationException(f"model.lr={cfg.model.lr!r} must be positive")
     if not 0 <= cfg.model.dropout < 1:
@@ -285,6 +288,10 @@ def run(cfg: DictConfig) -> None:
     check_settings(cfg)
     callback = ngt.NPUGraphCallback.from_config(cfg.graph)
     backend = get_backend(cfg.graph.backend)
+    if backend.name == "emulate":
+        # OpenMP threads on a small shared CPU stall whenever another process runs (steps 10x slower); the
+        # emulator checks correctness, which one thread does as well.
+        torch.set_num_threads(1)
     print(f"backend: {backend.name}; device: {describe_device(backend)}; "
           f"Lightning accelerator: {ACCELERATORS[backend.name]}")
     data = make_data(cfg)

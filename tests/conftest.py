@@ -9,6 +9,10 @@ os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
 
 from npugraph_train.graphed import backends
 
+# One torch thread: OpenMP threads on a small shared CPU (CI has 2 cores) stall whenever another process runs,
+# which made the suite several times slower; on 2 idle cores it takes as long either way.
+torch.set_num_threads(1)
+
 from . import doubles
 
 

@@ -1,11 +1,14 @@
 """The main job, examples/train.py, run as a user runs it: a subprocess with Hydra overrides."""
+import importlib.util
 import os
 import subprocess
 import sys
 from pathlib import Path
 from typing import List, Tuple
 
+import hydra
 import pytest
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 SCRIPT = Path(__file__).resolve().parents[1] / "examples" / "train.py"
 # Small enough to finish in seconds; 200 samples = 6 batches of 32 + a short one of 8, and validation
@@ -28,7 +31,7 @@ def test_graphed_and_eager_fit(tmp_path):
     result = run_job(tmp_path, *SMALL)
     assert result.returncode == 0, result.stderr
     out = result.stdout
-    assert "backend: emulate; device: cpu; Lightning accelerator: cpu" in out
+    assert "backend: emulate; device: cpu (1 torch thread); Lightning accelerator: cpu" in out
     assert "npugraph_train capture report (mode=submodules, backend=emulate)" in out
     assert "blocks.0: graphed" in out and "blocks.1: graphed" in out
     assert "max_signatures=1 reached" in out  # the short last batch ran eager
@@ -83,6 +86,20 @@ def test_multirun_writes_no_folders(tmp_path):
     assert [p.name for p in (tmp_path / "cwd").iterdir()] == ["multirun.yaml"]  # Hydra's sweeper writes it
 
 
+@pytest.fixture(scope="module")
+def train_module():
+    """examples/train.py imported, to check its settings in this process (a subprocess costs seconds each)."""
+    spec = importlib.util.spec_from_file_location("npugraph_train_example_train", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def compose(*overrides: str):
+    with hydra.initialize_config_dir(str(SCRIPT.parent / "conf"), version_base=None):
+        return hydra.compose("train", overrides=list(overrides))
+
+
 @pytest.mark.parametrize("override, expected", [
     ("graph.mode=bogus", "choose one of: off, submodules, whole_step"),
     ("graph.warmup_steps=0", "expected an integer >= 1"),
@@ -96,14 +113,22 @@ def test_multirun_writes_no_folders(tmp_path):
     ("+model.nope=1", "unknown model settings model.nope; valid: in_features, width"),
     ("+trainer.nope=1", "unknown trainer settings trainer.nope; valid: seed, max_steps"),
     ("model.heads=0", "model.heads=0 must be a whole number of at least 1"),
+    ("model.width=65", "model.width=65 must be divisible by model.heads=4"),
     ("trainer.precision=bogus", "trainer.precision='bogus': choose one of 32-true"),
 ])
-def test_config_errors_are_one_line(tmp_path, override, expected):
-    result = run_job(tmp_path, override)
+def test_config_errors_name_the_setting_before_anything_runs(train_module, capsys, override, expected):
+    with pytest.raises(MisconfigurationException) as info:
+        train_module.run(compose(override))
+    assert expected in " ".join(str(info.value).split())
+    assert capsys.readouterr().out == "", "the error comes before anything is printed"
+
+
+def test_a_config_error_is_one_line_without_traceback(tmp_path):
+    result = run_job(tmp_path, "graph.mode=bogus")
     assert result.returncode != 0
     assert "Traceback" not in result.stderr
     errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
-    assert len(errors) == 1 and expected in errors[0], result.stderr
+    assert len(errors) == 1 and "choose one of: off, submodules, whole_step" in errors[0], result.stderr
 
 
 def test_unknown_key_fails_clearly(tmp_path):

@@ -402,3 +402,10 @@ def test_npu_update_keys_are_checked_before_torch_npu_ignores_them(npu_double):
     with pytest.raises(ValueError, match="2 entries but the graph captured 1 updatable ops"):
         g.update([{"lengths": [1, 1, 1]}] * 2)
     assert not any(c[0] == "update" for c in npu_double), "nothing reached torch_npu"
+
+
+def test_the_example_checks_itself_against_eager(monkeypatch, capsys):
+    monkeypatch.setattr(sys, "argv", ["variable_length.py"])
+    example.main()
+    out = capsys.readouterr().out
+    assert "replays: 12" in out and "bitwise equal to the same training without graphs: True" in out
