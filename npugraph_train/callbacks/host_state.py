@@ -24,7 +24,7 @@ from typing import Any, Dict, Iterable, List, NamedTuple, Tuple
 import lightning.pytorch as pl
 import torch
 
-from ..graphed.state_attributes import MODULE_INTERNALS, SCALAR_TYPES, scalar_changed, tensors_in
+from ..graphed.state_attributes import MODULE_INTERNALS, SCALAR_TYPES, attribute_path, scalar_changed, tensors_in
 
 _NOT_STATE = MODULE_INTERNALS | {"training"}
 _MISSING = object()
@@ -83,7 +83,7 @@ class HostState:
         for path, module in root.named_modules():
             skip = _NOT_STATE | (_lightning_internals() if module is root else frozenset())
             holders.append((path, vars(module), skip))
-            holders += [(_join(path, attr), vars(value), frozenset()) for attr, value in vars(module).items()
+            holders += [(attribute_path(path, attr), vars(value), frozenset()) for attr, value in vars(module).items()
                         if attr not in skip and _is_plain_object(value)]
         holders += [(f"optimizer.param_groups[{i}]", group, frozenset({"params"}))
                     for i, group in enumerate(getattr(optimizer, "param_groups", ()))]
@@ -107,7 +107,7 @@ class HostState:
                 else:  # made since, put where a tensor was, or a plain object replaced (self.stats = Stats())
                     differs = is_host_value(now) or (now is not before and _is_plain_object(before))
                 if differs:
-                    changed.append(f"{_join(holder.name, key)} ({_short(before)} -> {_short(now)})")
+                    changed.append(f"{attribute_path(holder.name, key)} ({_short(before)} -> {_short(now)})")
         return changed
 
     def restore(self) -> None:
@@ -141,10 +141,6 @@ def _refilled(current: Any, saved: Any) -> Any:
     if type(current) is tuple and type(saved) is tuple and len(current) == len(saved):
         return tuple(_refilled(c, s) for c, s in zip(current, saved))
     return copy.deepcopy(saved)
-
-
-def _join(path: str, attr: str) -> str:
-    return f"{path}.{attr}" if path else attr
 
 
 def _short(value: Any) -> str:

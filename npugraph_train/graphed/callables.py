@@ -50,7 +50,7 @@ from .captured import CapturedSignature, SignatureStats, batch_ids, capture_sign
 from .errors import GraphCaptureError, GraphStateError
 from .signatures import (Signature, describe_signature, difference_hint, flatten_call, is_constant, serves, signature,
                          static_copies, within)
-from .state_attributes import MODULE_INTERNALS, SCALAR_TYPES, recomputed_by_hooks, scalar_changed
+from .state_attributes import MODULE_INTERNALS, SCALAR_TYPES, attribute_path, recomputed_by_hooks, scalar_changed
 from .user_code import warn_at_user_code
 
 # A module's hook dicts; hooks inside a graphed module would run once, at capture.
@@ -73,7 +73,7 @@ class ModuleSettings:
 
     def find(self) -> None:
         """Look for the settings again (the first call of a forward may create some)."""
-        slots = [(f"{path + '.' if path else ''}{key}", m.__dict__, key)
+        slots = [(attribute_path(path, key), m.__dict__, key)
                  for path, m in (self.module.named_modules() if self.module is not None else ())
                  for key, value in m.__dict__.items() if type(value) in SCALAR_TYPES and key not in MODULE_INTERNALS]
         self._names, self._dicts, self._keys = (list(z) for z in zip(*slots)) if slots else ([], [], [])

@@ -22,8 +22,8 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from .errors import GraphCaptureError, GraphStateError
 from .graphs import Graph, graph
 from .signatures import Signature, describe_signature, unique_tensors
-from .state_attributes import (MODULE_INTERNALS, SCALAR_TYPES, StateAttributes, StorageReads, carried_state_message,
-                               storage_address, tensors_in)
+from .state_attributes import (MODULE_INTERNALS, SCALAR_TYPES, StateAttributes, StorageReads, attribute_path,
+                               carried_state_message, storage_address, tensors_in)
 
 if TYPE_CHECKING:
     from .callables import GraphedCallable
@@ -187,7 +187,7 @@ class CapturedSignature:
         if self.owner.is_module:
             for path, sub in self.owner.func.named_modules():
                 for attr, value in sub.__dict__.items():
-                    names.update((id(t), f"attribute {path + '.' if path else ''}{attr}") for t in tensors_in(value))
+                    names.update((id(t), f"attribute {attribute_path(path, attr)}") for t in tensors_in(value))
             names.update((id(p), f"parameter {n!r}") for n, p in self.owner.func.named_parameters())
         shown = [names.get(id(t), f"a tensor of shape {list(t.shape)}") for t in tensors]
         return ", ".join(shown[:4]) + (f" and {len(shown) - 4} more" if len(shown) > 4 else "")

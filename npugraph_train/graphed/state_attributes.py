@@ -27,6 +27,11 @@ def recomputed_by_hooks(module: torch.nn.Module) -> set:
     return names
 
 
+def attribute_path(path: str, attr: str) -> str:
+    """``encoder.cache``: an attribute's name as the user knows it (``path`` is its module's, "" for the root)."""
+    return f"{path}.{attr}" if path else attr
+
+
 def tensors_in(value: Any) -> List[torch.Tensor]:
     """The tensors in a tensor, or in (nested) lists, tuples and dicts."""
     if isinstance(value, torch.Tensor):
@@ -163,7 +168,7 @@ class StateAttributes:
         self._scalars: List[Tuple[torch.nn.Module, str, Any]] = []
         # Plain Python objects that ``holders`` accepts (metric objects) keep tensor state the same way.
         owners: List[Tuple[str, Any]] = list(root.named_modules())
-        owners += [(f"{path + '.' if path else ''}{attr}", value) for path, module in list(owners)
+        owners += [(attribute_path(path, attr), value) for path, module in list(owners)
                    for attr, value in vars(module).items()
                    if _accepted(holders, value)]
         for path, module in owners:
@@ -208,7 +213,7 @@ class StateAttributes:
             if not old and not new:
                 continue  # Python values added or changed: not tensor state
             if new and (value is None or (snapshot is not None and not snapshot[1])):  # None, or empty then
-                self.filled.append(f"{path}.{attr}" if path else attr)
+                self.filled.append(attribute_path(path, attr))
             grew = len(after) > len(before) and bool(new)  # appended: a replay would not append again
             moved = [t for t in old if any(t is a for a in after)]  # a shifted window
             # A registered buffer rebound is state even though every step reads its storage (unless it is
@@ -218,7 +223,7 @@ class StateAttributes:
                 or (where == "_buffers" and t is value and id(t._base) not in self._own_ids)))
                 or any(t is e for e in escaped)]
             if grew or moved or read:
-                carried.append(f"{path}.{attr}" if path else attr)
+                carried.append(attribute_path(path, attr))
                 getattr(module, where)[attr] = value
                 _refill(value, snapshot)
             else:
@@ -232,7 +237,7 @@ class StateAttributes:
         outputs. Views of parameters, buffers and inputs (``self.wt = self.w.t()``) save nothing: left alone."""
         for i, (path, module, where, attr, value, snapshot) in enumerate(self.written):
             if isinstance(value, torch.Tensor) and value.requires_grad and storage_address(value) not in self._own:
-                guarded = guard(value, f"{path}.{attr}" if path else attr)
+                guarded = guard(value, attribute_path(path, attr))
                 self.written[i] = (path, module, where, attr, guarded, snapshot)
                 getattr(module, where)[attr] = guarded
 
