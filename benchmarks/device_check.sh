@@ -7,13 +7,14 @@
 # Stages, in order of value, each under its own time limit (seconds; set 0 to skip a stage) so that a slow
 # stage costs only itself and whatever finished is already written to OUT_DIR:
 #   1. environment: versions, device name                                    (always)
-#   2. device parity suite: tests/test_devices.py on every backend there    TESTS_S=120
+#   2. device parity and host-read tests on every backend there             TESTS_S=120
 #   3. step-time table, all columns incl. torch.compile, JSON per model     TABLE_S=240
 #   4. scaling sweep: batch size, number of graphed modules                  SWEEP_S=120
-#   5. the whole CPU suite under this machine's torch (needs omegaconf)      SUITE_S=0
+#   5. host work per step with replays stubbed out (mlp, tf)                 HOST_S=60
+#   6. the whole CPU suite under this machine's torch (needs omegaconf)      SUITE_S=0
 #
 # Nothing is installed into the machine's environment: npugraph_train is imported from this source tree.
-# omegaconf/hydra are only needed for stage 5 (and the main job). Where the image lacks them, build pure
+# omegaconf/hydra are only needed for stage 6 (and the main job). Where the image lacks them, build pure
 # Python wheels on a machine with an index and bring them along in .whl/ (ignored by git):
 #     python3 -m pip wheel --no-deps -w .whl omegaconf==2.3.1 antlr4-python3-runtime==4.9.3 hydra-core==1.3.8
 # (antlr4-python3-runtime 4.9.3 is published as a source archive only, hence `pip wheel`, not `pip download`.)
@@ -55,8 +56,10 @@ for mod in ('omegaconf', 'hydra'):
     except ImportError:
         print(mod, 'missing: stage suite and the main job need it (see the header of this script)')
 "
-stage devices "${TESTS_S:-120}" "$py" -m pytest -q -s -p no:cacheprovider tests/test_devices.py
+stage devices "${TESTS_S:-120}" "$py" -m pytest -q -s -p no:cacheprovider tests/test_devices.py tests/test_host_reads.py
 stage table "${TABLE_S:-240}" "$py" benchmarks/step_time.py --compile --json "$out/table.json"
 stage sweep "${SWEEP_S:-120}" "$py" benchmarks/step_time.py --sweep --json "$out/sweep.json"
+stage host_work "${HOST_S:-60}" "$py" benchmarks/step_time.py --host-work --models mlp,tf --repeats 2 \
+  --json "$out/host_work.json"
 stage suite "${SUITE_S:-0}" "$py" -m pytest -q -p no:cacheprovider
 exit $status

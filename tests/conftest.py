@@ -46,3 +46,16 @@ def cuda_double(monkeypatch):
     doubles.install_cuda(monkeypatch, log)
     monkeypatch.setenv(backends.ENV_VAR, "cuda")
     return log
+
+
+def _backends():
+    for name in ("emulate", "cuda", "npu"):
+        reason = backends.BACKENDS[name].probe()
+        yield pytest.param(name, marks=pytest.mark.skipif(reason is not None, reason=reason or ""), id=name)
+
+
+@pytest.fixture(params=list(_backends()))
+def backend(request, monkeypatch):
+    """One case per backend, skipped where it cannot run (the device tests: tests/test_devices.py)."""
+    monkeypatch.setenv(backends.ENV_VAR, request.param)
+    return backends.get_backend(request.param)

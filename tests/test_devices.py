@@ -16,25 +16,12 @@ import torch.nn as nn
 
 import npugraph_train.graphed as ng
 from npugraph_train import NPUGraphCallback
-from npugraph_train.graphed.backends import BACKENDS
 from npugraph_train.optim import make_capturable
 
 from .lightning_models import fit
 
 ACCELERATOR = {"emulate": "cpu", "cuda": "gpu", "npu": "npu"}
 DEVICE_TOLERANCE = dict(rtol=1e-6, atol=1e-6)
-
-
-def _backends():
-    for name in ("emulate", "cuda", "npu"):
-        reason = BACKENDS[name].probe()
-        yield pytest.param(name, marks=pytest.mark.skipif(reason is not None, reason=reason or ""), id=name)
-
-
-@pytest.fixture(params=list(_backends()))
-def backend(request, monkeypatch):
-    monkeypatch.setenv("NPUGRAPH_BACKEND", request.param)
-    return ng.get_backend(request.param)
 
 
 def assert_parity(expected, actual, backend):
