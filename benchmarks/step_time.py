@@ -5,6 +5,7 @@ torch.compile, all on the same models in one run.
     python benchmarks/step_time.py --compile --json out.json    # + torch.compile(reduce-overhead), CUDA only
     python benchmarks/step_time.py --models mlp --columns eager,whole_step --steps 20
     python benchmarks/step_time.py --sweep --json sweep.json    # batch-size and module-count sweeps
+    python benchmarks/step_time.py --host-work --steps 50       # host work per step, replays stubbed out
 
 Runs on the device of ``npugraph_train.graphed.get_backend()`` (npu -> Lightning "npu", cuda -> "gpu",
 emulate -> "cpu"). On the CPU the emulate backend replays graphs op by op in Python: there the run checks
@@ -20,7 +21,7 @@ import platform
 import shlex
 import sys
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 if __package__ in (None, ""):
     # Run as a script: import the suite and npugraph_train from this source tree (no install needed).
@@ -30,6 +31,8 @@ import lightning
 import torch
 
 import npugraph_train
+from benchmarks.host_work import (COLUMNS as HOST_WORK_COLUMNS, LABELS as HOST_WORK_LABELS, host_work_table,
+                                  run_host_work)
 from benchmarks.lightning_runners import LABELS as LIGHTNING_LABELS, quiet_lightning, run_lightning
 from benchmarks.measure import Device, RunResult, StepPlan
 from benchmarks.models import FULL, QUICK, make_batches
@@ -83,8 +86,12 @@ def parse_args(argv: List[str]) -> argparse.Namespace:
                    help="torch CPU threads (default: 1 on the emulator, torch's default elsewhere)")
     p.add_argument("--backend", choices=("auto", "npu", "cuda", "emulate"), default="auto",
                    help="graph backend (default: NPUGRAPH_BACKEND or auto)")
-    p.add_argument("--sweep", action="store_true",
-                   help="run the scaling sweep (batch size; number of graphed modules) instead of the table")
+    instead = p.add_mutually_exclusive_group()
+    instead.add_argument("--sweep", action="store_true",
+                         help="run the scaling sweep (batch size; number of graphed modules) instead of the table")
+    instead.add_argument("--host-work", action="store_true",
+                         help="instead of the table, measure the host work per step of Lightning's loop, a "
+                              "whole step graphed by hand and whole_step, with every graph replay stubbed out")
     p.add_argument("--sweep-batches", help="comma list of batch sizes for the sweep")
     p.add_argument("--sweep-modules", help="comma list of graphed-module counts for the sweep")
     return p.parse_args(argv)
@@ -109,17 +116,42 @@ def _names(text: str, valid: List[str], what: str) -> List[str]:
     return names
 
 
-def run_column(column: str, spec: Any, batches: Any, device: Device, plan: StepPlan, granularity: str) -> RunResult:
-    """One column; n/a and errors become a result row instead of ending the run."""
-    label = {**LIGHTNING_LABELS, **PLAIN_LABELS}[column]
+def guarded(column: str, label: str, run: Callable[[], RunResult]) -> RunResult:
+    """``run()`` of one column; n/a and errors become a result row instead of ending the run."""
     try:
-        if column in LIGHTNING_COLUMNS:
-            return run_lightning(column, spec, batches, device, plan, granularity)
-        return run_plain(column, spec, batches, device, plan, granularity)
+        return run()
     except NotApplicable as exc:
         return RunResult(column, label, status="n/a", reason=str(exc))
     except Exception as exc:  # report and go on: one broken column must not hide the others
         return RunResult(column, label, status="error", reason=f"{type(exc).__name__}: {' '.join(str(exc).split())}")
+
+
+def run_column(column: str, spec: Any, batches: Any, device: Device, plan: StepPlan, granularity: str) -> RunResult:
+    """One column of the table."""
+    if column in LIGHTNING_COLUMNS:
+        return guarded(column, LIGHTNING_LABELS[column],
+                       lambda: run_lightning(column, spec, batches, device, plan, granularity))
+    return guarded(column, PLAIN_LABELS[column], lambda: run_plain(column, spec, batches, device, plan, granularity))
+
+
+def run_model(model: str, heading: str, columns: List[str], args: argparse.Namespace, device: Device,
+              plan: StepPlan, specs: Dict[str, Any],
+              run: Callable[..., RunResult] = run_column) -> Dict[str, RunResult]:
+    """Every column on one model with ``run(column, spec, batches, device, plan, granularity)``, ``--repeats``
+    times in rotated order (no column always first), each printed as it ends; per column one result with the
+    windows of its runs pooled."""
+    spec = specs[model]
+    print(f"\n== {heading}{model}: {spec.describe()}", flush=True)
+    batches = make_batches(spec, device.torch_device())
+    prime_device(spec, batches, device)
+    runs: Dict[str, List[RunResult]] = {c: [] for c in columns}
+    for r in range(args.repeats):
+        for column in columns[r % len(columns):] + columns[:r % len(columns)]:
+            result = run(column, spec, batches, device, plan, args.granularity)
+            runs[column].append(result)
+            shown = f"{result.us:.0f} µs/step" if result.us is not None else f"{result.status}: {result.reason}"
+            print(f"  {column:<17} {shown}", flush=True)
+    return {c: merge(rs) for c, rs in runs.items()}
 
 
 def metadata(args: argparse.Namespace, device: Device, size: str, plan: StepPlan) -> Dict[str, Any]:
@@ -171,31 +203,22 @@ def main(argv: List[str]) -> None:
           f"{meta['date']}")
     print(f"sizes: {size}; {plan.head} untimed steps, then {plan.windows} windows x {plan.steps} steps "
           f"(median of windows); capture after {plan.graph_warmup} eager steps")
-    if device.is_emulator:
+    if device.is_emulator and not args.host_work:  # host work is the CPU's own on any backend
         print(EMULATOR_NOTE)
     sys.stdout.flush()
 
     if args.sweep:
         run_sweep(args, device, plan, size, specs, meta)
         return
+    if args.host_work:
+        run_host_work_tables(args, device, plan, models, specs, meta)
+        return
 
     output: Dict[str, Any] = {"meta": meta, "models": {}, "targets": []}
     for model in models:
-        spec = specs[model]
-        print(f"\n== {model}: {spec.describe()}", flush=True)
-        batches = make_batches(spec, device.torch_device())
-        prime_device(spec, batches, device)
-        runs: Dict[str, List[RunResult]] = {c: [] for c in columns}
-        for r in range(args.repeats):
-            order = columns[r % len(columns):] + columns[:r % len(columns)]  # rotate: no column always first
-            for column in order:
-                result = run_column(column, spec, batches, device, plan, args.granularity)
-                runs[column].append(result)
-                shown = f"{result.us:.0f} µs/step" if result.us is not None else f"{result.status}: {result.reason}"
-                print(f"  {column:<17} {shown}", flush=True)
-        rows = derive({c: merge(rs) for c, rs in runs.items()})
+        rows = derive(run_model(model, "", columns, args, device, plan, specs))
         checks = check_targets(model, rows, judged=not device.is_emulator)
-        output["models"][model] = {"spec": vars(spec), "description": spec.describe(), "columns": rows}
+        output["models"][model] = {"spec": vars(specs[model]), "description": specs[model].describe(), "columns": rows}
         output["targets"] += checks
         print()
         print(model_table(rows, columns))
@@ -240,6 +263,25 @@ def run_sweep(args: argparse.Namespace, device: Device, plan: StepPlan, size: st
         print("\n" + EMULATOR_NOTE)
     sweep["modules"] = m_rows
     write_json(args.json, {"meta": meta, "sweep": sweep})
+
+
+def run_host_work_column(column: str, spec: Any, batches: Any, device: Device, plan: StepPlan,
+                         granularity: str) -> RunResult:
+    return guarded(column, HOST_WORK_LABELS[column], lambda: run_host_work(column, spec, batches, device, plan))
+
+
+def run_host_work_tables(args: argparse.Namespace, device: Device, plan: StepPlan, models: List[str],
+                         specs: Dict[str, Any], meta: Dict[str, Any]) -> None:
+    output: Dict[str, Any] = {"meta": meta, "host_work": {}}
+    for model in models:
+        merged = run_model(model, "host work, ", HOST_WORK_COLUMNS, args, device, plan, specs, run=run_host_work_column)
+        print()
+        print(host_work_table(merged))
+        output["host_work"][model] = {c: {"us": r.us, "window_us": r.window_us, "status": r.status,
+                                          "reason": r.reason, "notes": r.notes} for c, r in merged.items()}
+        write_json(args.json, output, announce=False)
+    if args.json is not None:
+        print(f"\nwrote {args.json}")
 
 
 def write_json(path: Any, data: Dict[str, Any], announce: bool = True) -> None:

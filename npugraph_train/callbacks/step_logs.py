@@ -51,6 +51,8 @@ class StepLogRecorder:
 
     def emit(self) -> None:
         """Log the static tensors' values of this step, as the captured calls did at capture."""
+        if not self.calls:
+            return
         module = self.module
         trainer = module.trainer
         results, connector = trainer._results, trainer._logger_connector
