@@ -6,6 +6,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn as nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import npugraph_train
 import npugraph_train.graphed as ng
@@ -344,6 +345,70 @@ def test_returned_input_gradients_are_not_static_buffers():
     (g2,) = torch.autograd.grad(block(h2).sum(), h2)
     assert torch.equal(g1, kept), "the second backward replay must not change the first call's gradient"
     assert g1.untyped_storage().data_ptr() != g2.untyped_storage().data_ptr()
+
+
+def _steps(model, batches, opt, set_to_none=True):
+    for x, y in batches:
+        nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=set_to_none)
+
+
+def test_parameter_gradients_are_not_copied_on_their_way_to_grad():
+    class CountClones(TorchDispatchMode):
+        clones = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.clones += func is torch.ops.aten.clone.default
+            return func(*args, **(kwargs or {}))
+
+    torch.manual_seed(0)
+    model = ng.make_graphed_callables(nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1)), (torch.zeros(2, 4),))
+    x, y = torch.randn(2, 4), torch.randn(2, 1)
+    nn.functional.mse_loss(model(x), y).backward()  # .grad was None: adopted, as with torch's make_graphed_callables
+    kept = {n: p.grad.clone() for n, p in model.named_parameters()}
+    loss = nn.functional.mse_loss(model(x), y)
+    with CountClones() as counted:
+        loss.backward()  # accumulates into .grad, which holds the buffer this replay writes: copied out first
+    assert counted.clones == 4
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, 2 * kept[n], rtol=0, atol=1e-6)
+    for p in model.parameters():
+        p.grad = None
+    loss = nn.functional.mse_loss(model(x), y)
+    with CountClones() as counted:
+        loss.backward()
+    assert counted.clones == 0
+    for n, p in model.named_parameters():
+        assert torch.equal(p.grad, kept[n]), n
+    ng.ungraph(model)  # a .grad holding a graph buffer gets a copy of it: it would keep the pool alive
+    for n, p in model.named_parameters():
+        assert torch.equal(p.grad, kept[n]), n
+
+
+def test_training_with_zero_grad_keeping_tensors_matches_eager():
+    make_model, make_batch, sample = MODELS["mlp"]
+
+    def run(graphed):
+        torch.manual_seed(0)
+        model = make_model()
+        opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+        torch.manual_seed(1)
+        batches = [make_batch() for _ in range(6)]
+        if graphed:
+            ng.make_graphed_callables(model, sample())
+        _steps(model, batches, opt, set_to_none=False)  # .grad zeroed in place: the same tensor every step
+        return model
+
+    _assert_same_state(run(False), run(True))
+
+
+def test_parameter_gradients_from_autograd_grad_are_not_static_buffers():
+    block = ng.make_graphed_callables(nn.Linear(3, 3), (torch.zeros(2, 3),))
+    (g1,) = torch.autograd.grad(block(torch.randn(2, 3)).sum() ** 2, [block.weight])
+    kept = g1.clone()
+    torch.autograd.grad(block(torch.randn(2, 3)).sum() ** 2, [block.weight])
+    assert torch.equal(g1, kept), "the second backward replay must not change the first call's gradient"
 
 
 def test_global_module_hooks_are_refused():

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any, Callable, Dict, Iterator, List, Optional,
 
 import torch
 import torch.nn as nn
+from torch.autograd.graph import get_gradient_edge
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
@@ -36,6 +37,20 @@ def in_checkpoint_forward() -> bool:
     # torch.utils.checkpoint(use_reentrant=False) packs saved tensors with its _checkpoint_hook in the forward
     hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)
     return hooks is not None and getattr(hooks[0], "__qualname__", "").startswith("_checkpoint_hook.")
+
+
+def _returned_grad(static: torch.Tensor, accumulator: Any) -> torch.Tensor:
+    """What a graphed backward returns for one input: a copy, which the next replay cannot change, except for a
+    parameter's gradient on its way to ``.grad``. That is an alias of the static buffer, as torch's
+    make_graphed_callables returns: AccumulateGrad adopts it when ``.grad`` is None (zero_grad(set_to_none=True),
+    Lightning's default), so a step copies no gradients (one copy per parameter before), or adds it in place."""
+    if accumulator is not None:
+        try:
+            torch._C._will_engine_execute_node(accumulator)
+        except RuntimeError:  # torch.autograd.grad(..., inputs=[parameter]) hands it to the caller instead
+            return static.clone()
+        return static.detach()
+    return static.clone()
 
 
 class PoolOrder:
@@ -115,6 +130,8 @@ class CapturedSignature:
         self.released = False
         self.static_grad_outputs: Tuple[Optional[torch.Tensor], ...] = ()
         self.static_grad_inputs: Tuple[Optional[torch.Tensor], ...] = ()
+        self.param_grads: List[Tuple[torch.Tensor, torch.Tensor]] = []  # (parameter, its gradient buffer)
+        self.accumulators: List[Any] = []  # per surface tensor: a parameter's AccumulateGrad node, else None
         self.function: Any = None
         self.attributes: Optional[StateAttributes] = None  # attributes the forward only writes, if any
 
@@ -266,7 +283,20 @@ class CapturedSignature:
                                             allow_unused=self.owner.allow_unused_input or bool(self.unfrozen))
         it = iter(grads)
         self.static_grad_inputs = tuple(next(it) if (i.requires_grad and grads) else None for i in self.surface)
+        param_grads = self.static_grad_inputs[len(self.static_inputs):]
+        self.param_grads = [(p, g) for p, g in zip(self.owner.params, param_grads) if g is not None]
+        # Held, so that each backward reaches these very nodes (a parameter keeps its accumulator only weakly).
+        self.accumulators = [None] * len(self.static_inputs) + [
+            get_gradient_edge(p).node if g is not None else None for p, g in zip(self.owner.params, param_grads)]
         self.function = self._make_function()
+
+    def copy_out_adopted_grads(self) -> None:
+        """Give parameters whose ``.grad`` is still this graph's gradient buffer a copy of it: the next backward
+        replay (or the pool's next user, after release) overwrites the buffer."""
+        for p, static in self.param_grads:
+            grad = p.grad
+            if grad is not None and grad.data_ptr() == static.data_ptr():
+                p.grad = grad.clone()
 
     def replay_forward(self, inputs: Sequence[torch.Tensor]) -> None:
         if self.attributes is not None:  # an eager call (validation) may have bound them to its own tensors
@@ -331,17 +361,20 @@ class CapturedSignature:
                 for static, grad in zip(sig.static_grad_outputs, grads):
                     if static is not None and grad is not None and static.data_ptr() != grad.data_ptr():
                         static.copy_(grad)
+                # A .grad that adopted this buffer in an earlier backward and still holds it (accumulation
+                # across calls, zero_grad(set_to_none=False)) would be overwritten by the replay, and then
+                # have the new gradient added to itself (torch issue #181723): it gets a copy first.
+                sig.copy_out_adopted_grads()
                 if sig.bwd_graph.is_captured:
                     sig.bwd_graph.replay()
-                # Clones, never the static buffers the next replay overwrites (torch issue #181723:
-                # accumulated .grad corrupted). When .grad is None, AccumulateGrad adopts the clone instead
-                # of copying, so the common case costs no extra copy.
-                return tuple(g.clone() if g is not None and needed else None
-                             for g, needed in zip(sig.static_grad_inputs, ctx.needs_input_grad))
+                return tuple(_returned_grad(g, accumulator) if g is not None and needed else None
+                             for g, accumulator, needed in zip(sig.static_grad_inputs, sig.accumulators,
+                                                               ctx.needs_input_grad))
 
         return Graphed
 
     def release(self) -> None:
+        self.copy_out_adopted_grads()  # a .grad left holding a buffer would keep the pool's memory
         self.pool_order.pending.pop(id(self), None)
         self.fwd_graph.reset()
         self.bwd_graph.reset()
