@@ -36,7 +36,7 @@ QUIET = dict(logger=False, enable_checkpointing=False, enable_progress_bar=False
 def _restore_lightning(monkeypatch):
     """Registration changes Lightning process-wide; every test gets Lightning back as it found it."""
     saved = {id(r): (r, dict(r)) for r in (AcceleratorRegistry, StrategyRegistry)}
-    for name in ("_choose_strategy", "_check_and_init_precision", "_choose_auto_accelerator"):
+    for name in ("_choose_strategy", "_check_and_init_precision", "_choose_auto_accelerator", "_init_strategy"):
         monkeypatch.setattr(_AcceleratorConnector, name, _AcceleratorConnector.__dict__[name])
     yield
     for registry, content in saved.values():
@@ -222,6 +222,18 @@ def several_devices():
     return {"strategy": type(t.strategy).__name__, "accelerator": type(t.accelerator).__name__,
             "process_group_backend": t.strategy._get_process_group_backend()}
 
+def ddp_setup_model(strategy):
+    # Lightning's DDPStrategy._setup_model wraps DDP in torch.cuda.stream(torch.cuda.Stream()), which a CPU torch
+    # build (the one torch_npu needs) refuses; stop at DDP itself (no process group here)
+    t = Trainer(accelerator="npu", devices=2, strategy=strategy, **QUIET)
+    seen, outer = [], torch.npu.current_stream()
+    def fake_ddp(module, device_ids=None, **kwargs):
+        seen.append({"device_ids": device_ids, "npu_side_stream": torch.npu.current_stream() is not outer})
+        return module
+    torch.nn.parallel.DistributedDataParallel = fake_ddp
+    t.strategy._setup_model(torch.nn.Linear(2, 2))
+    return {"strategy": type(t.strategy).__name__, "ddp": seen}
+
 def wrong_accelerator():
     acc.SingleNPUStrategy().accelerator = CPUAccelerator()
 
@@ -240,6 +252,8 @@ cases = {
     "setup_device": setup_device,
     "wrong_accelerator": wrong_accelerator,
     "several_devices": several_devices,
+    "ddp_setup_model": lambda: ddp_setup_model("auto"),
+    "ddp_by_name_setup_model": lambda: ddp_setup_model("ddp"),
 }
 for name, case in cases.items():
     try:
@@ -322,7 +336,14 @@ def test_parallel_devices_and_setup_device(child):
 
 def test_several_npus_use_lightning_ddp_over_hccl(child):
     facts = _ok(child, "several_devices")
-    assert facts == {"strategy": "DDPStrategy", "accelerator": "NPUAccelerator", "process_group_backend": "hccl"}
+    assert facts == {"strategy": "DDPNPUStrategy", "accelerator": "NPUAccelerator", "process_group_backend": "hccl"}
+
+
+def test_lightning_ddp_builds_its_model_without_a_cuda_stream(child):
+    for case in ("ddp_setup_model", "ddp_by_name_setup_model"):
+        facts = _ok(child, case)
+        assert facts["strategy"] == "DDPNPUStrategy", case
+        assert facts["ddp"] == [{"device_ids": [0], "npu_side_stream": True}], case
 
 
 def test_npu_strategy_with_another_accelerator_says_what_to_do(child):

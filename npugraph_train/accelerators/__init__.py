@@ -6,8 +6,8 @@ installed, and does nothing otherwise; torch_npu itself is only imported once Li
     import npugraph_train.accelerators
     trainer = Trainer(accelerator="npu", devices=1, precision="bf16-mixed")
 """
-from .npu import NPUAccelerator, SingleNPUStrategy, register_npu
+from .npu import DDPNPUStrategy, NPUAccelerator, SingleNPUStrategy, register_npu
 
-__all__ = ["NPUAccelerator", "SingleNPUStrategy", "register_npu"]
+__all__ = ["DDPNPUStrategy", "NPUAccelerator", "SingleNPUStrategy", "register_npu"]
 
 register_npu()  # a no-op without torch_npu; it does not import torch_npu either

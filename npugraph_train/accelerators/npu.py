@@ -19,6 +19,7 @@ torch_npu registers ``hccl`` as the ``npu`` device's default backend.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib
 from types import ModuleType
@@ -29,13 +30,13 @@ from lightning.fabric.accelerators.registry import _AcceleratorRegistry
 from lightning.fabric.strategies.registry import _StrategyRegistry
 from lightning.fabric.utilities.types import _DEVICE
 from lightning.pytorch.accelerators import Accelerator
-from lightning.pytorch.strategies import SingleDeviceStrategy
+from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from ..graphed.backends.device import torch_npu_installed
 
-__all__ = ["NPUAccelerator", "SingleNPUStrategy", "register_npu"]
+__all__ = ["DDPNPUStrategy", "NPUAccelerator", "SingleNPUStrategy", "register_npu"]
 
 _INSTALL_HINT = "install torch_npu matching your torch version on an Ascend machine with CANN"
 
@@ -191,6 +192,21 @@ class SingleNPUStrategy(SingleDeviceStrategy):
         strategy_registry.register(cls.strategy_name, cls, description=cls.__name__)
 
 
+class DDPNPUStrategy(DDPStrategy):
+    """Lightning's DDP on NPUs: ``DDPStrategy._setup_model`` builds DDP under ``torch.cuda.stream(torch.cuda.Stream())``
+    for every device with an index, which a CPU torch build with torch_npu refuses ("torch.cuda.Stream requires
+    CUDA support"). This one uses an NPU side stream. ``Trainer(accelerator="npu")`` with a plain DDPStrategy
+    (``devices=2``, ``strategy="ddp"``, ``"ddp_spawn"``, ...) is given this class once ``register_npu()`` ran.
+    """
+
+    def _setup_model(self, model: Any) -> Any:
+        device_ids = self.determine_ddp_device_ids()
+        npu = _require_npu_module()
+        ctx = npu.stream(npu.Stream()) if device_ids is not None else contextlib.nullcontext()
+        with ctx:
+            return torch.nn.parallel.DistributedDataParallel(module=model, device_ids=device_ids, **self._ddp_kwargs)
+
+
 def _patch_accelerator_connector() -> None:
     """Make Lightning's automatic accelerator, strategy and AMP choices NPU-aware (it only knows cuda/gpu/mps).
 
@@ -209,7 +225,7 @@ def _patch_accelerator_connector() -> None:
         return  # already wrapped: registration is idempotent
     # These strategies bring their own precision plugin; Lightning's choice stands for them.
     own_precision = (DeepSpeedStrategy, FSDPStrategy, XLAStrategy, SingleDeviceXLAStrategy)
-    names = ("_choose_strategy", "_check_and_init_precision", "_choose_auto_accelerator")
+    names = ("_choose_strategy", "_check_and_init_precision", "_choose_auto_accelerator", "_init_strategy")
     originals = {name: getattr(connector, name, None) for name in names}
 
     def _choose_strategy(self: Any) -> Any:
@@ -231,8 +247,16 @@ def _patch_accelerator_connector() -> None:
     def _choose_auto_accelerator() -> str:
         return "npu" if NPUAccelerator.is_available() else originals["_choose_auto_accelerator"]()
 
+    def _init_strategy(self: Any) -> None:
+        originals["_init_strategy"](self)
+        # Exactly DDPStrategy (by name or instance): its _setup_model asks for a CUDA stream. Subclasses are the
+        # user's own and left alone.
+        if isinstance(getattr(self, "accelerator", None), NPUAccelerator) and type(self.strategy) is DDPStrategy:
+            self.strategy.__class__ = DDPNPUStrategy
+
     # Each on its own: one method renamed by a later Lightning leaves the others working.
-    for name, wrapper in zip(names, (_choose_strategy, _check_and_init_precision, _choose_auto_accelerator)):
+    for name, wrapper in zip(names, (_choose_strategy, _check_and_init_precision, _choose_auto_accelerator,
+                                     _init_strategy)):
         if originals[name] is not None:
             functools.update_wrapper(wrapper, originals[name])
             wrapper._npugraph_npu = True  # type: ignore[attr-defined]
