@@ -404,6 +404,24 @@ def test_npu_update_keys_are_checked_before_torch_npu_ignores_them(npu_double):
     assert not any(c[0] == "update" for c in npu_double), "nothing reached torch_npu"
 
 
+def test_npu_update_count_is_checked_with_torch_npus_own_handlers_too(npu_double, monkeypatch):
+    import types
+    g, x, y = _capture_masked_mean([6, 6, 6])
+    # A record of torch_npu's built-in attention handler (no handler of ours): its keys are unknown here, its
+    # count is not.
+    g.native.graph_dispatch_mode.graph_dispatch_records.append(types.SimpleNamespace(
+        op_cache_entry=types.SimpleNamespace(__name__="npu_fused_infer_attention_score.out"), args=[],
+        kwargs={"actual_seq_lengths": [6]}))
+    reached = []
+    # torch_npu 2.8.x: update() compared the record count with itself and zipped, updating only the first records
+    monkeypatch.setattr(type(g.native), "update", lambda self, cpu_update_input: reached.append(cpu_update_input))
+    with pytest.raises(ValueError, match="3 entries but the graph captured 2 updatable ops"):
+        g.update([{"lengths": [1, 2, 3]}] * 3)
+    assert reached == []
+    g.update([{"lengths": [1, 2, 3]}, {"actual_seq_lengths": [3]}])
+    assert len(reached) == 1
+
+
 def test_the_example_checks_itself_against_eager(monkeypatch, capsys):
     monkeypatch.setattr(sys, "argv", ["variable_length.py"])
     example.main()

@@ -175,11 +175,23 @@ def check_update(records: List[DispatchRecord], cpu_update_input: List[Dict[str,
 
 def check_torch_npu_update(native_records: List[Any], cpu_update_input: List[Dict[str, Any]]) -> None:
     """:func:`check_update` for torch_npu's records (``_GraphDispatchRecord``), when every recorded op has
-    a handler registered here; torch_npu's own handlers' update keys are not known here."""
+    a handler registered here; torch_npu's own handlers' update keys are not known here, but the count is
+    checked for them too."""
     handlers = [_HANDLERS.get(record.op_cache_entry.__name__) for record in native_records]
     if all(handler is not None for handler in handlers):
         check_update([DispatchRecord(r.op_cache_entry, tuple(r.args), dict(r.kwargs), handler)
                       for r, handler in zip(native_records, handlers)], cpu_update_input)
+        return
+    # torch_npu builds before its handler registry (2.8.x) compared the record count with itself and zipped
+    # the lists: the records past the list's end were never updated, and a replay waits forever for their events.
+    if not isinstance(cpu_update_input, (list, tuple)) or not all(isinstance(d, dict) for d in cpu_update_input):
+        raise TypeError("cpu_update_input must be a list of dicts, one per updatable op in capture order "
+                        "(or a single dict in a list, for every op)")
+    if len(cpu_update_input) not in (1, len(native_records)):
+        ops = ", ".join(r.op_cache_entry.__name__ for r in native_records)
+        raise ValueError(f"cpu_update_input has {len(cpu_update_input)} entries but the graph captured "
+                         f"{len(native_records)} updatable ops ({ops}); pass one dict per op in capture order, or a "
+                         "one-dict list for all")
 
 
 def apply_update(records: List[DispatchRecord], cpu_update_input: List[Dict[str, Any]]) -> None:
