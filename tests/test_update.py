@@ -269,6 +269,13 @@ class TestNPUDouble:
 
         assert issubclass(registered["later_op.default"], Later)
 
+    def test_torch_npu_without_a_handler_registry_is_named(self, npu_double, monkeypatch):
+        from npugraph_train.graphed import handlers
+        monkeypatch.setattr(handlers, "_warned_no_registry", False)
+        monkeypatch.delattr(torch.npu, "register_npu_graph_handler")  # torch_npu 2.8.x: update() without it
+        with pytest.warns(RuntimeWarning, match="has no register_npu_graph_handler"):
+            ng.Graph()
+
     def test_update_args_works_on_torch_npu_records(self):
         class TorchNpuRecord:  # torch_npu's _GraphDispatchRecord: no op_name, the op is op_cache_entry
             def __init__(self):

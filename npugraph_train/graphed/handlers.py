@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import copy
 import sys
+import warnings
 from typing import Any, Callable, ClassVar, Dict, Iterable, List, Optional, Set, Tuple, Type, Union
 
 import torch
@@ -92,10 +93,25 @@ def register_graph_handler(op_names: Union[str, Iterable[str]]) -> Callable[[Typ
     return register
 
 
+_warned_no_registry = False
+
+
 def _register_with_torch_npu(names: List[str], handler: Type[GraphOpHandler]) -> None:
     # Only if torch_npu is already loaded: registering must not import it (the npu backend calls
     # sync_with_torch_npu when it starts, for handlers registered before).
+    global _warned_no_registry
     npu = getattr(torch, "npu", None)
+    if "torch_npu" in sys.modules and npu is not None and not hasattr(npu, "register_npu_graph_handler"):
+        # torch_npu 2.8.x: update() and auto_dispatch_capture exist, but its dispatch mode records only its own
+        # fused-attention op: these ops would be captured frozen, and update() would find nothing to update.
+        if hasattr(getattr(npu, "NPUGraph", None), "update") and not _warned_no_registry:
+            _warned_no_registry = True
+            warnings.warn(f"npugraph_train: this torch_npu ({getattr(sys.modules['torch_npu'], '__version__', '?')}) "
+                          "has no register_npu_graph_handler, so graph handlers registered with npugraph_train "
+                          f"({', '.join(names)}) are not recorded on the NPU: their ops are captured with the host "
+                          "values of the capture and update() cannot change them; upgrade torch_npu", RuntimeWarning,
+                          stacklevel=2)
+        return
     if "torch_npu" in sys.modules and hasattr(npu, "register_npu_graph_handler"):
         base = getattr(npu, "NpuGraphOpHandler", None)
         if base is not None and not issubclass(handler, base):
