@@ -39,18 +39,28 @@ def in_checkpoint_forward() -> bool:
     return hooks is not None and getattr(hooks[0], "__qualname__", "").startswith("_checkpoint_hook.")
 
 
-def _returned_grad(static: torch.Tensor, accumulator: Any) -> torch.Tensor:
-    """What a graphed backward returns for one input: a copy, which the next replay cannot change, except for a
-    parameter's gradient on its way to ``.grad``. That is an alias of the static buffer, as torch's
-    make_graphed_callables returns: AccumulateGrad adopts it when ``.grad`` is None (zero_grad(set_to_none=True),
-    Lightning's default), so a step copies no gradients (one copy per parameter before), or adds it in place."""
-    if accumulator is not None:
-        try:
-            torch._C._will_engine_execute_node(accumulator)
-        except RuntimeError:  # torch.autograd.grad(..., inputs=[parameter]) hands it to the caller instead
-            return static.clone()
-        return static.detach()
-    return static.clone()
+# A node in no autograd graph: the engine runs it only in a plain .backward(), which runs every node.
+_NODE_OF_NO_GRAPH = get_gradient_edge(torch.empty(0, requires_grad=True)).node
+
+
+def _returned_grads(statics: Sequence[Optional[torch.Tensor]], accumulators: Sequence[Any],
+                    needed: Sequence[bool]) -> Tuple[Optional[torch.Tensor], ...]:
+    """What a graphed backward returns: copies, which the next replay cannot change, except for parameters'
+    gradients on their way to ``.grad``. Those are aliases of the static buffers, as torch's
+    make_graphed_callables returns: AccumulateGrad adopts one when ``.grad`` is None (zero_grad(set_to_none=True),
+    Lightning's default), so a step copies no gradients, or adds it in place."""
+    plain = torch._C._will_engine_execute_node(_NODE_OF_NO_GRAPH)
+    return tuple(None if g is None or not need else
+                 g.detach() if accumulator is not None and (plain or _accumulated(accumulator)) else g.clone()
+                 for g, accumulator, need in zip(statics, accumulators, needed))
+
+
+def _accumulated(accumulator: Any) -> bool:
+    try:
+        torch._C._will_engine_execute_node(accumulator)
+    except RuntimeError:  # torch.autograd.grad(..., inputs=[parameter]) hands it to the caller instead
+        return False
+    return True
 
 
 class PoolOrder:
@@ -367,9 +377,7 @@ class CapturedSignature:
                 sig.copy_out_adopted_grads()
                 if sig.bwd_graph.is_captured:
                     sig.bwd_graph.replay()
-                return tuple(_returned_grad(g, accumulator) if g is not None and needed else None
-                             for g, accumulator, needed in zip(sig.static_grad_inputs, sig.accumulators,
-                                                               ctx.needs_input_grad))
+                return _returned_grads(sig.static_grad_inputs, sig.accumulators, ctx.needs_input_grad)
 
         return Graphed
 
