@@ -9,7 +9,10 @@ nothing (warmup and capture still run), so that the callback's share can be seen
   loss: the least that any whole-step integration in ``Trainer.fit`` costs;
 - ``hand_whole_step``: manual optimization with the whole step captured by hand in ``training_step`` (the
   batch copied into static buffers, replay, the loss returned): the baseline's hand-written Lightning row;
-- ``whole_step``: ``NPUGraphCallback(mode="whole_step")``.
+- ``whole_step``: ``NPUGraphCallback(mode="whole_step")``;
+- ``lit_mgc`` and ``submodules``: the table's columns of those names (the model graphed by hand with the
+  device's own ``make_graphed_callables``, on the emulator torch's own code on the emulator's graphs; and the
+  callback), whose optimizer step stays eager. On the emulator that step is CPU work (the same in both).
 
 The host work depends on the machine's CPU, not on the device: run it on the machine whose figures it
 explains.
@@ -27,27 +30,38 @@ from lightning.pytorch.callbacks import Callback
 import npugraph_train.graphed as ng
 from npugraph_train import NPUGraphCallback
 
-from .lightning_runners import BenchModule, StepTimer
+from .lightning_runners import LABELS as LIGHTNING_LABELS, BenchModule, StepTimer, run_lightning
 from .measure import Device, RunResult, StepPlan
 from .models import Batch, CyclingBatches, ModelSpec
 from .report import fmt_us, markdown_table, spread
 
-COLUMNS = ["lightning_floor", "hand_whole_step", "whole_step"]
+COLUMNS = ["lightning_floor", "hand_whole_step", "whole_step", "lit_mgc", "submodules"]
 LABELS = {
     "lightning_floor": "Lightning's loop around a step that does nothing",
     "hand_whole_step": "Lightning, manual optimization, whole step captured by hand",
     "whole_step": "npugraph_train whole_step",
+    "lit_mgc": LIGHTNING_LABELS["lit_mgc"],
+    "submodules": LIGHTNING_LABELS["submodules"],
 }
 
 
 @contextlib.contextmanager
 def replays_stubbed() -> Iterator[None]:
-    replay = ng.Graph.replay
-    ng.Graph.replay = lambda self: None
+    """Every graph's replay does nothing: this package's, and the device's own (hand-written columns)."""
+    classes = [ng.Graph] + [c for c in (getattr(torch.cuda, "CUDAGraph", None),
+                                        getattr(getattr(torch, "npu", None), "NPUGraph", None))
+                            if isinstance(c, type) and "replay" in dir(c)]
+    saved = [(c, c.__dict__.get("replay")) for c in classes]
+    for c in classes:
+        c.replay = lambda self: None
     try:
         yield
     finally:
-        ng.Graph.replay = replay
+        for c, replay in saved:
+            if replay is None:
+                del c.replay
+            else:
+                c.replay = replay
 
 
 class _EmptyStep(Callback):
@@ -100,6 +114,9 @@ class HandWholeStep(BenchModule):
 
 def run_host_work(column: str, spec: ModelSpec, batches: List[Batch], device: Device, plan: StepPlan) -> RunResult:
     """One ``Trainer.fit`` of ``plan.total_steps`` steps for ``column``, every graph replay stubbed out."""
+    if column in ("lit_mgc", "submodules"):
+        with replays_stubbed():
+            return run_lightning(column, spec, batches, device, plan)
     result = RunResult(column, LABELS[column])
     device.clean()
     callbacks: List[Callback] = [StepTimer(plan, device)]
@@ -129,11 +146,17 @@ def run_host_work(column: str, spec: ModelSpec, batches: List[Batch], device: De
     return result
 
 
+# What each column is set against: Lightning's own loop, or (a graphed forward and backward with the optimizer
+# eager) the same modules graphed by hand.
+_BASES = {"hand_whole_step": "lightning_floor", "whole_step": "lightning_floor", "submodules": "lit_mgc"}
+
+
 def host_work_table(results: Dict[str, RunResult]) -> str:
-    base = results["lightning_floor"].us if "lightning_floor" in results else None
     rows = []
     for column, r in results.items():
-        over = f"{r.us - base:+.0f}" if r.us is not None and base is not None else "n/a"
+        base = results.get(_BASES.get(column, ""))
+        over = (f"{r.us - base.us:+.0f} (vs `{base.column}`)" if base is not None and None not in (r.us, base.us)
+                else "-")
         shown = fmt_us(r.us) if r.status == "ok" else f"{r.status}: {r.reason}"
         rows.append([f"`{column}`", shown, spread(r.window_us), over, "; ".join(r.notes) or "-"])
-    return markdown_table(["column", "host µs/step (median)", "windows", "µs over lightning_floor", "notes"], rows)
+    return markdown_table(["column", "host µs/step (median)", "windows", "µs more", "notes"], rows)

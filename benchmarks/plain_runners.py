@@ -2,9 +2,9 @@
 
 - ``plain_eager``: zero_grad, forward, MSE, backward, AdamW(foreach=True) step.
 - ``mgc``: the same loop with the model (or its blocks) graphed by hand with the device's own
-  ``make_graphed_callables`` (``torch.cuda`` on CUDA, ``torch.npu`` on NPU). The emulator has no native
-  one, so there it is ``npugraph_train.graphed.make_graphed_callables(backend="emulate")``, and the label
-  says so. The optimizer stays eager.
+  ``make_graphed_callables`` (``torch.cuda`` on CUDA, ``torch.npu`` on NPU). On the emulator it is torch's
+  own ``torch.cuda.make_graphed_callables`` code with its ``torch.cuda`` graph calls served by the emulator's
+  graphs, and the label says so. The optimizer stays eager.
 - ``whole_graph``: forward, backward and ``AdamW(capturable=True, foreach=True, lr=<tensor>)`` captured as
   one graph by hand (``torch.cuda.graph`` / ``torch.npu.graph``; the emulator's ``npugraph_train.graphed.graph``
   with ``make_capturable``, because torch's capturable AdamW refuses CPU tensors), plus its floor: the same
@@ -42,17 +42,48 @@ def hand_mgc_label(device: Device) -> str:
         return "torch.cuda.make_graphed_callables"
     if device.name == "npu" and hasattr(getattr(torch, "npu"), "make_graphed_callables"):
         return "torch.npu.make_graphed_callables"
+    if device.is_emulator:
+        return "torch.cuda.make_graphed_callables (its code, on the emulator's graphs)"
     return f"npugraph_train.graphed.make_graphed_callables(backend={device.name!r})"
 
 
 def _hand_mgc(device: Device) -> Tuple[Callable[..., Any], bool]:
-    """The make_graphed_callables to call by hand, and whether it is the device's native one."""
+    """The make_graphed_callables to call by hand, and whether it is torch's (positional tensors only)."""
     if device.name == "cuda":
         return torch.cuda.make_graphed_callables, True
     if device.name == "npu" and hasattr(getattr(torch, "npu"), "make_graphed_callables"):
         return getattr(torch, "npu").make_graphed_callables, True
+    if device.is_emulator:
+        return _torch_mgc_on_emulator, True
     return (lambda callables, args, **kw: ng.make_graphed_callables(callables, args, backend=device.backend, **kw),
             False)
+
+
+# torch.cuda's graph API as torch's make_graphed_callables calls it, served by the emulator's graph layer.
+_EMULATED_CUDA_GRAPH_API: Dict[str, Callable[..., Any]] = {
+    "CUDAGraph": lambda *args, **kwargs: ng.Graph("emulate"),
+    "graph": lambda cuda_graph, pool=None, stream=None, capture_error_mode="global": ng.graph(
+        cuda_graph, pool=pool, stream=stream, capture_error_mode=capture_error_mode),
+    "graph_pool_handle": lambda: ng.graph_pool_handle("emulate"),
+    "Stream": lambda *args, **kwargs: ng.new_stream("emulate"),
+    "stream": lambda s: ng.stream(s, "emulate"),
+    "synchronize": lambda *args: ng.synchronize("emulate"),
+}
+
+
+def _torch_mgc_on_emulator(callables: Any, sample_args: Any, **kwargs: Any) -> Any:
+    """torch's own make_graphed_callables, run on the CPU: its torch.cuda calls go to the emulator's graphs
+    while it captures (its replays then call those graphs), so that the CPU columns compare the callback with
+    torch's implementation, as on a GPU."""
+    modules = (torch.cuda, torch.cuda.graphs)
+    saved = [(m, name, m.__dict__[name]) for m in modules for name in _EMULATED_CUDA_GRAPH_API if name in m.__dict__]
+    for module, name, _ in saved:
+        setattr(module, name, _EMULATED_CUDA_GRAPH_API[name])
+    try:
+        return torch.cuda.graphs.make_graphed_callables(callables, sample_args, **kwargs)
+    finally:
+        for module, name, value in saved:
+            setattr(module, name, value)
 
 
 def _sample(value: Any) -> Any:
