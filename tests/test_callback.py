@@ -145,9 +145,12 @@ def test_on_failure_raise_stops_with_capture_error():
     model = WithHostSync()
     train, val = loaders()
     expected = r"capturing sync failed.*_local_scalar_dense.*x\.mean\(\)\.item\(\)"
+    graphs = NPUGraphCallback(warmup_steps=2)
     with pytest.raises(ngt.GraphCaptureError, match=expected):
-        trainer([NPUGraphCallback(warmup_steps=2)]).fit(model, train, val)
+        trainer([graphs]).fit(model, train, val)
     assert _graphed_forwards(model) == []
+    status = {row["module"]: row["status"] for row in graphs.report()}
+    assert status["sync"].startswith("capture failed: ") and "x.mean().item()" in status["sync"], status
 
 
 def test_on_failure_eager_leaves_that_module_eager():

@@ -164,8 +164,11 @@ def test_host_read_in_training_step_names_the_line():
             return loss
 
     torch.manual_seed(0)
+    graphs = NPUGraphCallback(mode="whole_step")
     with pytest.raises(ngt.GraphCaptureError, match=r"training step failed.*_local_scalar_dense.*loss\.item\(\) > 100"):
-        trainer([NPUGraphCallback(mode="whole_step")], max_steps=6).fit(Reads(), *loaders())
+        trainer([graphs], max_steps=6).fit(Reads(), *loaders())
+    status = graphs.report()[0]["status"]  # as logged at the exception: not "fit ended before capture"
+    assert status.startswith("capture failed: ") and "loss.item() > 100" in status, status
 
 
 def test_closure_hook_overrides_warn():

@@ -164,6 +164,8 @@ class SubmoduleGrapher:
                         auto_dispatch_capture=self.config.auto_dispatch_capture, backend=self.backend)
             except GraphCaptureError as exc:
                 if self.config.on_failure == "raise" or exc.module_name not in pending:
+                    if exc.module_name in self.status:  # the report, logged at the exception, says why
+                        self.status[exc.module_name] = f"capture failed: {exc}"
                     raise
                 pending.remove(exc.module_name)
                 self._fail(exc.module_name, f"capture failed, runs eager: {exc}")

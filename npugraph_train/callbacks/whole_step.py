@@ -237,6 +237,7 @@ class WholeStepGrapher:
         if failure is not None:
             if self.config.on_failure == "raise":
                 discard()
+                self.status = f"capture failed: {failure}"  # the report, logged at the exception, says why
                 raise GraphCaptureError(f"capturing the training step failed: {failure}",
                                         module_name="training_step") from failure
             self.active, self.failed, self.status = False, True, f"capture failed, runs eager: {failure}"
