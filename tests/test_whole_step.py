@@ -619,6 +619,44 @@ def test_python_values_appended_to_a_list_are_refused_and_put_back():
     assert model.notes == ["a Python value"] * 3, "as the 3 warmup steps left it"
 
 
+class Mixup(Scheduled):
+    """Draws its mixing weight on the host each step: a replay would reuse the capture step's draw."""
+
+    def __init__(self, draw="numpy"):
+        super().__init__(optimizer="adamw")
+        self.draw = draw
+
+    def training_step(self, batch, batch_idx):
+        import numpy as np
+        import random
+
+        lam = float(np.random.beta(0.4, 0.4)) if self.draw == "numpy" else random.random()
+        x, y = batch
+        mixed = (lam * x + (1 - lam) * x.flip(0), lam * y + (1 - lam) * y.flip(0))
+        return super().training_step(mixed, batch_idx)
+
+
+@pytest.mark.parametrize("draw, generator", [("numpy", "NumPy's np.random"), ("python", "Python's random")])
+def test_host_random_draws_in_the_step_are_refused_and_the_generator_put_back(draw, generator):
+    import numpy as np
+    import random
+
+    def fit(callbacks):
+        np.random.seed(0)
+        random.seed(0)
+        torch.manual_seed(0)
+        model = Mixup(draw)
+        trainer(callbacks, max_steps=8, val_check_interval=None, limit_val_batches=0).fit(model, loaders()[0])
+        return model, (np.random.random(), random.random())
+
+    eager, eager_next = fit([])
+    callback = NPUGraphCallback(mode="whole_step", on_failure="eager")
+    with pytest.warns(UserWarning, match=f"capture failed, runs eager: .*draws random numbers from {generator} on "
+                                         "the host.*torch.distributions.Beta"):
+        graphed, graphed_next = fit([callback])
+    assert _same(eager, graphed) and graphed_next == eager_next, "the capture's draw was put back"
+
+
 def test_rebinding_with_on_failure_eager_runs_eager_like_plain_lightning():
     eager = _train_only(RebindsState, [])
     callback = NPUGraphCallback(mode="whole_step", on_failure="eager")

@@ -63,6 +63,17 @@ def python_state_error(changed: List[str]) -> Optional[GraphCaptureError]:
         "as before the capture", module_name="training_step")
 
 
+def host_random_error(generators: List[str]) -> Optional[GraphCaptureError]:
+    """The refusal of a step that drew random numbers on the host (``HostState.random_draws()``), if any."""
+    if not generators:
+        return None
+    return GraphCaptureError(
+        f"the training step draws random numbers from {' and '.join(generators)} on the host: a replay runs no "
+        "Python, so every step would use the capture step's draws (a mixup weight fixed for the whole fit). Draw "
+        "them on the device with torch (torch.rand(1, device=self.device), "
+        "torch.distributions.Beta(a, b).sample()), which a replay draws anew", module_name="training_step")
+
+
 _HOST_COUNTERS = ("global_step", "current_epoch")
 
 

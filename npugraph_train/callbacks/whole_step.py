@@ -41,8 +41,8 @@ from ..optim import check_capture_safe, clip_grad_norm_, make_capturable, unwrap
 from .batch import (MAX_CAPTURE_DELAY, VALUES_DIFFER, BatchKey, batch_key, describe, ready_to_capture,
                     values_differ)
 from .report import ENDED_BEFORE_CAPTURE, NOT_CAPTURED
-from .step_checks import (BakedSetup, WatchedIndex, is_metric, python_outputs, rebinding_error,
-                          python_state_error, refuse_scheduler_steps, watch_host_counters)
+from .step_checks import (BakedSetup, WatchedIndex, host_random_error, is_metric, python_outputs,
+                          python_state_error, rebinding_error, refuse_scheduler_steps, watch_host_counters)
 from .step_logs import StepLogRecorder
 from .host_state import HostState
 from .step_setup import callbacks_inside_step, check_schedulers
@@ -194,7 +194,8 @@ class WholeStepGrapher:
         carried_failure = rebinding_error(module, carried) if failure is None and carried else None
         changed = host_state.changed()
         state_failure = python_state_error(changed)
-        failure = failure or carried_failure or self._batch_reshaped(layouts) or state_failure
+        failure = (failure or carried_failure or self._batch_reshaped(layouts)
+                   or host_random_error(host_state.random_draws()) or state_failure)
         self._warn_if_batch_changed(static_kwargs["batch"], spec)
         self.written_leaves = [i for i, (leaf, version) in enumerate(zip(self.static_leaves, versions))
                                if isinstance(leaf, torch.Tensor) and leaf._version != version]
