@@ -619,6 +619,58 @@ def test_python_values_appended_to_a_list_are_refused_and_put_back():
     assert model.notes == ["a Python value"] * 3, "as the 3 warmup steps left it"
 
 
+class Scale(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.factor = 1.0
+
+    def forward(self, x):
+        return x * self.factor
+
+
+class Weighted(Scheduled):
+    """Reads a loss weight (self.beta) and a submodule setting (scale.factor); counts samples in a hook."""
+
+    def __init__(self):
+        super().__init__(optimizer="adamw")
+        self.scale, self.beta, self.seen = Scale(), 1.0, 0
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return self.beta * nn.functional.mse_loss(self.head(self.scale(self.embed(x))), y)
+
+    def on_train_batch_end(self, outputs, batch, batch_idx):
+        self.seen += len(batch[0])  # not read by the step: no reason to capture again
+
+
+class Anneal(Callback):
+    def __init__(self, where):
+        self.where = where
+
+    def on_train_epoch_start(self, trainer, pl_module):
+        owner, name = (pl_module, "beta") if self.where == "root" else (pl_module.scale, "factor")
+        setattr(owner, name, 1.0 + 0.5 * trainer.current_epoch)
+
+
+@pytest.mark.parametrize("where, name", [("root", "beta"), ("submodule", "scale.factor")])
+def test_settings_changed_between_steps_capture_again(where, name):
+    def fit(callbacks):
+        torch.manual_seed(0)
+        model = Weighted()
+        trainer([Anneal(where), *callbacks], max_steps=30, val_check_interval=None, limit_val_batches=0).fit(
+            model, loaders()[0])
+        return model
+
+    eager = fit([])
+    callback = NPUGraphCallback(mode="whole_step")
+    with pytest.warns(UserWarning, match=rf"{re.escape(name)} changed from 1.0 to 1.5 after the training step was "
+                                         "captured; it is captured again"):
+        graphed = fit([callback])
+    row = callback.report()[0]
+    assert row["captures"] == 4 and row["replays"] > 15, row  # one per epoch (30 steps of 9): not per counted step
+    assert _same(eager, graphed) and graphed.seen == eager.seen
+
+
 class Mixup(Scheduled):
     """Draws its mixing weight on the host each step: a replay would reuse the capture step's draw."""
 

@@ -39,7 +39,7 @@ _LARGEST = 1000  # containers with more entries when the capture starts are not 
 
 
 @functools.lru_cache(maxsize=None)
-def _lightning_internals() -> frozenset:
+def lightning_internals() -> frozenset:
     """What Lightning keeps in a LightningModule (the hook being run, flags): set around the step, not by it."""
     return frozenset(vars(pl.LightningModule()))
 
@@ -83,7 +83,7 @@ class HostState:
     def __init__(self, root: torch.nn.Module, optimizer: Any, callbacks: Iterable[Any] = ()) -> None:
         holders: List[Tuple[str, Dict[str, Any], frozenset]] = []
         for path, module in root.named_modules():
-            skip = _NOT_STATE | (_lightning_internals() if module is root else frozenset())
+            skip = _NOT_STATE | (lightning_internals() if module is root else frozenset())
             holders.append((path, vars(module), skip))
             holders += [(attribute_path(path, attr), vars(value), frozenset()) for attr, value in vars(module).items()
                         if attr not in skip and _is_plain_object(value)]

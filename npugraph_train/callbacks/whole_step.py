@@ -7,7 +7,7 @@ into static buffers; every later step copies the new batch into those buffers, r
 Lightning's bookkeeping (progress counters, ``self.log`` values from the static tensors, the returned
 loss). A batch of another structure, shape or dtype runs as an ordinary eager step. Per-step host work
 on the replay path is: one ``tree_flatten`` of the batch and a comparison of its leaves, the setup check
-(10-15 µs on the benchmark models), the copies, ``replay()``, five counter increments, the recorded
+(10-20 µs on the benchmark models), the copies, ``replay()``, five counter increments, the recorded
 ``log`` calls and a clone of the step's outputs.
 
 What a captured step cannot honour is refused when the fit starts (:mod:`.step_setup`), what the graph bakes
@@ -42,7 +42,8 @@ from .batch import (MAX_CAPTURE_DELAY, VALUES_DIFFER, BatchKey, batch_key, descr
                     values_differ)
 from .report import ENDED_BEFORE_CAPTURE, NOT_CAPTURED
 from .step_checks import (BakedSetup, WatchedIndex, host_random_error, is_metric, python_outputs,
-                          python_state_error, rebinding_error, refuse_scheduler_steps, watch_host_counters)
+                          python_state_error, rebinding_error, recording_reads, refuse_scheduler_steps,
+                          watch_host_counters)
 from .step_logs import StepLogRecorder
 from .host_state import HostState
 from .step_setup import callbacks_inside_step, check_schedulers
@@ -180,7 +181,8 @@ class WholeStepGrapher:
         try:
             with watch_host_counters(self._warn_host_read), refuse_scheduler_steps(), graph(
                     self.graph, capture_error_mode=self.config.capture_error_mode,
-                    auto_dispatch_capture=self.config.auto_dispatch_capture), attributes.reads:
+                    auto_dispatch_capture=self.config.auto_dispatch_capture), attributes.reads, \
+                    recording_reads(module) as root_reads:
                 result = _AutomaticOptimization.run(loop, optimizer, batch_idx, static_kwargs)
         except GraphCaptureError as exc:
             failure = exc
@@ -257,7 +259,7 @@ class WholeStepGrapher:
         self.static_result = result
         self.static_grads = [(p, p.grad) for group in unwrap(optimizer).param_groups for p in group["params"]
                              if p.grad is not None]
-        self.baked.remember(module, unwrap(optimizer))
+        self.baked.remember(module, unwrap(optimizer), root_reads)
         self.captures.append({"description": describe(key), "reason": self.recapture_reason,
                               "first_replay": self.replays, "capture_seconds": self.capture_seconds,
                               "pool_bytes": self.pool_bytes})
@@ -459,4 +461,7 @@ class _WholeStepOptimization(_AutomaticOptimization):
     def eager_step(self, optimizer: Any, batch_idx: int, kwargs: OrderedDict, reason: str,
                    kind: Optional[str] = None) -> Dict[str, Any]:
         self.grapher.count_eager(reason, kind)
-        return super().run(optimizer, batch_idx, kwargs)
+        settings = self.grapher.baked.read_settings()
+        result = super().run(optimizer, batch_idx, kwargs)
+        self.grapher.baked.adopt_settings(settings)
+        return result
