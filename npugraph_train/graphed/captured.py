@@ -39,28 +39,25 @@ def in_checkpoint_forward() -> bool:
     return hooks is not None and getattr(hooks[0], "__qualname__", "").startswith("_checkpoint_hook.")
 
 
-# A node in no autograd graph: the engine runs it only in a plain .backward(), which runs every node.
-_NODE_OF_NO_GRAPH = get_gradient_edge(torch.empty(0, requires_grad=True)).node
-
-
 def _returned_grads(statics: Sequence[Optional[torch.Tensor]], accumulators: Sequence[Any],
                     needed: Sequence[bool]) -> Tuple[Optional[torch.Tensor], ...]:
     """What a graphed backward returns: copies, which the next replay cannot change, except for parameters'
     gradients on their way to ``.grad``. Those are aliases of the static buffers, as torch's
     make_graphed_callables returns: AccumulateGrad adopts one when ``.grad`` is None (zero_grad(set_to_none=True),
     Lightning's default), so a step copies no gradients, or adds it in place."""
-    plain = torch._C._will_engine_execute_node(_NODE_OF_NO_GRAPH)
-    return tuple(None if g is None or not need else
-                 g.detach() if accumulator is not None and (plain or _accumulated(accumulator)) else g.clone()
-                 for g, accumulator, need in zip(statics, accumulators, needed))
-
-
-def _accumulated(accumulator: Any) -> bool:
-    try:
-        torch._C._will_engine_execute_node(accumulator)
-    except RuntimeError:  # torch.autograd.grad(..., inputs=[parameter]) hands it to the caller instead
-        return False
-    return True
+    returned: List[Optional[torch.Tensor]] = []
+    for static, accumulator, need in zip(statics, accumulators, needed):
+        if static is None or not need:
+            returned.append(None)
+        elif accumulator is None:
+            returned.append(static.clone())
+        else:
+            try:
+                torch._C._will_engine_execute_node(accumulator)
+                returned.append(static.detach())
+            except RuntimeError:  # torch.autograd.grad(..., inputs=[parameter]) hands it to the caller instead
+                returned.append(static.clone())
+    return tuple(returned)
 
 
 class PoolOrder:
