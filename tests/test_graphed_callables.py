@@ -386,6 +386,31 @@ def test_parameter_gradients_are_not_copied_on_their_way_to_grad():
         assert torch.equal(p.grad, kept[n]), n
 
 
+def test_adopted_gradients_live_outside_the_graph_pool():
+    # In a pool, later graphs reuse memory freed while earlier ones were captured: a .grad kept across a forward
+    # (accumulation) must not be pool memory that the forward replay writes.
+    model = ng.make_graphed_callables(nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1)), (torch.zeros(2, 4),))
+    model(torch.randn(2, 4)).sum().backward()
+    state = ng.graphed_state(model)
+    sig = next(iter(state.signatures.values()))
+    pool_storages = {t.untyped_storage().data_ptr() for t in sig.static_outputs + sig.static_grad_outputs
+                     if t is not None}
+    for p in model.parameters():
+        assert p.grad.data_ptr() == state.grad_buffer(p).data_ptr()
+        assert p.grad.untyped_storage().data_ptr() not in pool_storages
+
+
+def test_a_gradient_hook_keeps_what_it_was_given():
+    model = ng.make_graphed_callables(nn.Linear(3, 1), (torch.zeros(2, 3),))
+    kept = []
+    model.weight.register_hook(lambda g: kept.append(g))
+    model(torch.randn(2, 3)).sum().backward()
+    first = kept[0].clone()
+    model.weight.grad = None
+    model(torch.randn(2, 3) * 5).sum().backward()
+    assert torch.equal(kept[0], first) and not torch.equal(kept[1], first)
+
+
 def test_training_with_zero_grad_keeping_tensors_matches_eager():
     make_model, make_batch, sample = MODELS["mlp"]
 

@@ -148,6 +148,7 @@ class GraphedCallable:
         self._original = self.instance_forward if self.instance_forward is not None else (
             types.MethodType(type(func).forward, func) if self.is_module else func)
         self.params: Tuple[torch.Tensor, ...] = tuple(func.parameters()) if self.is_module else ()
+        self._grad_buffers: Dict[int, torch.Tensor] = {}  # see grad_buffer()
         # Where each parameter is registered: load_state_dict(assign=True) and torch.func.functional_call put
         # other tensors there, which the graphs would never read.
         modules = list(func.modules()) if self.is_module else []
@@ -171,6 +172,14 @@ class GraphedCallable:
         self.eager_calls: Counter = Counter()
         self._released = False
         self._warned: set = set()  # kinds of eager reasons and recaptures warned about
+
+    def grad_buffer(self, param: torch.Tensor) -> torch.Tensor:
+        """The buffer, outside every graph pool, that this callable's backward graphs leave ``param``'s gradient
+        in (shared by its signatures: a .grad still holding it is copied out before any of them replays)."""
+        buffer = self._grad_buffers.get(id(param))
+        if buffer is None:
+            buffer = self._grad_buffers[id(param)] = torch.empty_like(param, requires_grad=False)
+        return buffer
 
     def current_param_flags(self) -> Tuple[bool, ...]:
         return tuple(map(_requires_grad, self.params))

@@ -49,11 +49,11 @@ def _returned_grads(statics: Sequence[Optional[torch.Tensor]], accumulators: Seq
     for static, accumulator, need in zip(statics, accumulators, needed):
         if static is None or not need:
             returned.append(None)
-        elif accumulator is None:
+        elif accumulator is None or accumulator[0]._backward_hooks:  # a hook may keep the gradient it is given
             returned.append(static.clone())
         else:
             try:
-                torch._C._will_engine_execute_node(accumulator)
+                torch._C._will_engine_execute_node(accumulator[1])
                 returned.append(static.detach())
             except RuntimeError:  # torch.autograd.grad(..., inputs=[parameter]) hands it to the caller instead
                 returned.append(static.clone())
@@ -138,7 +138,7 @@ class CapturedSignature:
         self.static_grad_outputs: Tuple[Optional[torch.Tensor], ...] = ()
         self.static_grad_inputs: Tuple[Optional[torch.Tensor], ...] = ()
         self.param_grads: List[Tuple[torch.Tensor, torch.Tensor]] = []  # (parameter, its gradient buffer)
-        self.accumulators: List[Any] = []  # per surface tensor: a parameter's AccumulateGrad node, else None
+        self.accumulators: List[Any] = []  # per surface tensor: (a parameter, its AccumulateGrad node), else None
         self.function: Any = None
         self.attributes: Optional[StateAttributes] = None  # attributes the forward only writes, if any
 
@@ -281,6 +281,11 @@ class CapturedSignature:
         inputs = tuple(i for i in self.surface if i.requires_grad)
         grads: Tuple[Optional[torch.Tensor], ...] = ()
         if outputs and inputs:
+            # Parameters' gradients end in buffers outside the pool, which .grad may keep (it adopts them): memory
+            # in the pool is reused by the other graphs there (the next forward replay would write over a .grad
+            # kept for accumulation). One copy inside the graph costs no host work, a copy per call would.
+            param_ids = {id(p) for p in self.owner.params}
+            kept = [self.owner.grad_buffer(i) if id(i) in param_ids else None for i in inputs]
             with self.owner.backend.without_autocast(), graph(
                     self.bwd_graph, pool=self.pool, capture_error_mode=self.owner.capture_error_mode,
                     auto_dispatch_capture=self.owner.auto_dispatch_capture):
@@ -288,13 +293,17 @@ class CapturedSignature:
                                             grad_outputs=tuple(g for g in self.static_grad_outputs if g is not None),
                                             only_inputs=True,
                                             allow_unused=self.owner.allow_unused_input or bool(self.unfrozen))
+                copies = [(buffer, g) for buffer, g in zip(kept, grads) if buffer is not None and g is not None]
+                if copies:
+                    torch._foreach_copy_([b for b, _ in copies], [g for _, g in copies])
+            grads = tuple(buffer if buffer is not None and g is not None else g for buffer, g in zip(kept, grads))
         it = iter(grads)
         self.static_grad_inputs = tuple(next(it) if (i.requires_grad and grads) else None for i in self.surface)
         param_grads = self.static_grad_inputs[len(self.static_inputs):]
         self.param_grads = [(p, g) for p, g in zip(self.owner.params, param_grads) if g is not None]
         # Held, so that each backward reaches these very nodes (a parameter keeps its accumulator only weakly).
         self.accumulators = [None] * len(self.static_inputs) + [
-            get_gradient_edge(p).node if g is not None else None for p, g in zip(self.owner.params, param_grads)]
+            (p, get_gradient_edge(p).node) if g is not None else None for p, g in zip(self.owner.params, param_grads)]
         self.function = self._make_function()
 
     def copy_out_adopted_grads(self) -> None:
