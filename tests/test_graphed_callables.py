@@ -411,6 +411,22 @@ def test_a_gradient_hook_keeps_what_it_was_given():
     assert torch.equal(kept[0], first) and not torch.equal(kept[1], first)
 
 
+def test_gradients_after_the_module_is_cast_have_its_new_dtype():
+    torch.manual_seed(0)
+    eager = nn.Linear(3, 2)
+    graphed = ng.make_graphed_callables(copy.deepcopy(eager), (torch.zeros(4, 3),))
+    for model in (eager, graphed):
+        model(torch.ones(4, 3)).sum().backward()
+        model.zero_grad(set_to_none=True)
+        model.double()  # p.data replaced: captured again, its gradients kept in float64 buffers
+    x = torch.randn(4, 3, dtype=torch.float64)
+    with pytest.warns(RuntimeWarning, match="storage was replaced"):
+        graphed(x).sum().backward()
+    eager(x).sum().backward()
+    for a, b in zip(eager.parameters(), graphed.parameters()):
+        assert b.grad.dtype == torch.float64 and torch.equal(a.grad, b.grad)
+
+
 def test_training_with_zero_grad_keeping_tensors_matches_eager():
     make_model, make_batch, sample = MODELS["mlp"]
 

@@ -177,7 +177,8 @@ class GraphedCallable:
         """The buffer, outside every graph pool, that this callable's backward graphs leave ``param``'s gradient
         in (shared by its signatures: a .grad still holding it is copied out before any of them replays)."""
         buffer = self._grad_buffers.get(id(param))
-        if buffer is None:
+        if buffer is None or (buffer.shape, buffer.dtype, buffer.device) != (param.shape, param.dtype, param.device):
+            # (a parameter moved or cast since the last capture: module.to(...), p.data = ...)
             buffer = self._grad_buffers[id(param)] = torch.empty_like(param, requires_grad=False)
         return buffer
 
