@@ -171,6 +171,19 @@ def test_host_read_in_training_step_names_the_line():
     assert status.startswith("capture failed: ") and "loss.item() > 100" in status, status
 
 
+def test_an_error_of_the_step_during_capture_is_in_the_report():
+    class Fails(Scheduled):
+        def training_step(self, batch, batch_idx):
+            if batch_idx == 3:  # the capture step
+                raise ValueError("shapes do not match")
+            return super().training_step(batch, batch_idx)
+
+    graphs = NPUGraphCallback(mode="whole_step")
+    with pytest.raises(ValueError, match="shapes do not match"):
+        trainer([graphs], max_steps=6).fit(Fails(), *loaders())
+    assert graphs.report()[0]["status"] == "capture failed: ValueError: shapes do not match"
+
+
 def test_closure_hook_overrides_warn():
     class Hooked(Scheduled):
         def on_before_optimizer_step(self, optimizer):
@@ -669,6 +682,33 @@ def test_settings_changed_between_steps_capture_again(where, name):
     row = callback.report()[0]
     assert row["captures"] == 4 and row["replays"] > 15, row  # one per epoch (30 steps of 9): not per counted step
     assert _same(eager, graphed) and graphed.seen == eager.seen
+
+
+def test_values_the_step_writes_are_no_settings_when_validation_rewrites_them():
+    class Remembers(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin, self.last_n = nn.Linear(4, 4), 0
+
+        def forward(self, x):
+            self.last_n = x.shape[0]  # its output: 8 in training, 5 in validation
+            return self.lin(x)
+
+    class Model(Scheduled):
+        def __init__(self):
+            super().__init__(optimizer="adamw")
+            self.rec = Remembers()
+
+        def forward(self, x):
+            return super().forward(self.rec(x))
+
+    x, y = torch.randn(64, 4), torch.randn(64, 1)
+    train = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=8)
+    val = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x[:5], y[:5]), batch_size=5)
+    callback = NPUGraphCallback(mode="whole_step")
+    trainer([callback], max_steps=24, val_check_interval=4).fit(Model(), train, val)
+    row = callback.report()[0]
+    assert row["status"] == "graphed" and row["captures"] == 1 and row["replays"] >= 20, row
 
 
 class Mixup(Scheduled):

@@ -76,15 +76,24 @@ def host_random_error(generators: List[str]) -> Optional[GraphCaptureError]:
         "torch.distributions.Beta(a, b).sample()), which a replay draws anew", module_name="training_step")
 
 
-def _recorder(module: Any, names: Set[str], base: Callable[[Any, str], Any]) -> Callable[[Any, str], Any]:
-    def __getattribute__(self: Any, name: str) -> Any:
-        if self is module:
-            names.add(name)
-        return base(self, name)
-    return __getattribute__
+_READS_BY_MODULE: Dict[int, Set[str]] = {}  # id(module) -> names of its attributes read, while recording
 
 
-_RECORDING_READ = _recorder(None, set(), object.__getattribute__).__code__
+def _recording_getattribute(self: Any, name: str) -> Any:
+    names = _READS_BY_MODULE.get(id(self))
+    if names is not None:
+        names.add(name)
+    return type(self).__mro__[1].__getattribute__(self, name)
+
+
+_RECORDING_READ = _recording_getattribute.__code__
+
+
+@functools.lru_cache(maxsize=None)
+def _recording_class(cls: type) -> type:
+    # One per class, made once: class registries (__init_subclass__) see one more subclass, not one per capture.
+    return type(cls.__name__, (cls,), {"__getattribute__": _recording_getattribute, "__module__": cls.__module__,
+                                       "__qualname__": cls.__qualname__})
 
 
 @contextlib.contextmanager
@@ -92,12 +101,13 @@ def recording_reads(module: torch.nn.Module) -> Iterator[Set[str]]:
     """The names of ``module``'s attributes read inside (its class is swapped for a subclass that notes them)."""
     cls = type(module)
     names: Set[str] = set()
-    module.__class__ = type(cls.__name__, (cls,), {"__getattribute__": _recorder(module, names, cls.__getattribute__),
-                                                   "__module__": cls.__module__, "__qualname__": cls.__qualname__})
+    _READS_BY_MODULE[id(module)] = names
+    module.__class__ = _recording_class(cls)
     try:
         yield names
     finally:
         module.__class__ = cls
+        del _READS_BY_MODULE[id(module)]
 
 
 _HOST_COUNTERS = ("global_step", "current_epoch")
@@ -323,11 +333,18 @@ class BakedSetup:
             self._lrs = [group["lr"] for group in groups]
 
     def remember(self, module: "pl.LightningModule", optimizer: torch.optim.Optimizer,
-                 root_reads: Collection[str] = ()) -> None:
-        """Note the setup as the graph just captured it; ``root_reads``: the LightningModule's own attributes the
-        step read (of its submodules, every setting counts)."""
-        self._module_settings = ModuleSettings(module, root_names=set(root_reads) - lightning_internals(),
-                                               skip=is_metric)
+                 root_reads: Collection[str] = (), assigned: Collection[Tuple[Any, str]] = ()) -> None:
+        """Note the setup as the graph just captured it. ``root_reads``: the LightningModule's own attributes the
+        step read (of its submodules every setting counts); ``assigned``: the (module, attribute) pairs the step
+        assigned, which are its outputs, not settings (self.n = x.shape[0], rewritten by eager forwards)."""
+        watched_root = set(root_reads) - lightning_internals()
+        written = {(id(owner), name) for owner, name in assigned}
+
+        def keep(path: str, owner: torch.nn.Module, name: str) -> bool:
+            # Metrics count their updates in Python (outside the step, where they belong).
+            return (path != "" or name in watched_root) and (id(owner), name) not in written and not is_metric(owner)
+
+        self._module_settings = ModuleSettings(module, keep)
         self._setting_values = self._module_settings.read()
         groups = optimizer.param_groups
         self._lrs = [group["lr"] for group in groups]

@@ -34,6 +34,7 @@ from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 from ..config import NPUGraphConfig
 from ..graphed import Graph, GraphCaptureError, graph
 from ..graphed.backends import Backend
+from ..graphed.captured import recording_assignments
 from ..graphed.signatures import static_copies
 from ..graphed.state_attributes import StateAttributes, tensors_in
 from ..graphed.user_code import warn_at_user_code
@@ -182,10 +183,13 @@ class WholeStepGrapher:
             with watch_host_counters(self._warn_host_read), refuse_scheduler_steps(), graph(
                     self.graph, capture_error_mode=self.config.capture_error_mode,
                     auto_dispatch_capture=self.config.auto_dispatch_capture), attributes.reads, \
-                    recording_reads(module) as root_reads:
+                    recording_reads(module) as root_reads, recording_assignments() as assigned:
                 result = _AutomaticOptimization.run(loop, optimizer, batch_idx, static_kwargs)
         except GraphCaptureError as exc:
             failure = exc
+        except Exception as exc:  # the step's own error (a shape mismatch): the report, logged at it, says so
+            self.status = f"capture failed: {type(exc).__name__}: {exc}"
+            raise
         finally:
             del module.log
             # Capture ran no kernels: the tensors bound before it still hold the values they had then.
@@ -259,7 +263,7 @@ class WholeStepGrapher:
         self.static_result = result
         self.static_grads = [(p, p.grad) for group in unwrap(optimizer).param_groups for p in group["params"]
                              if p.grad is not None]
-        self.baked.remember(module, unwrap(optimizer), root_reads)
+        self.baked.remember(module, unwrap(optimizer), root_reads, assigned)
         self.captures.append({"description": describe(key), "reason": self.recapture_reason,
                               "first_replay": self.replays, "capture_seconds": self.capture_seconds,
                               "pool_bytes": self.pool_bytes})

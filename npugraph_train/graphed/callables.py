@@ -38,7 +38,7 @@ import copy
 import operator
 import types
 from collections import Counter
-from typing import Any, Callable, Collection, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.nn as nn
@@ -67,20 +67,17 @@ class ModuleSettings:
     BatchNorm), a Dropout's ``p``, how BatchNorms track statistics (finetuning callbacks freeze them; SWA sets
     momentum=None): every attribute holding a bool, int, float or str when the module is graphed."""
 
-    def __init__(self, module: Optional[nn.Module], root_names: Optional[Collection[str]] = None,
-                 skip: Optional[Callable[[Any], bool]] = None) -> None:
+    def __init__(self, module: Optional[nn.Module], keep: Optional[Callable[[str, nn.Module, str], bool]] = None) -> None:
         self.module = module
-        self.root_names = root_names  # the root's own attributes to watch (None: all)
-        self.skip = skip  # submodules left out (metrics, whose updates count in Python)
+        self.keep = keep  # keep(module path, module, attribute): which to watch (None: all)
         self.find()
 
     def find(self) -> None:
         """Look for the settings again (the first call of a forward may create some)."""
         slots = [(attribute_path(path, key), m.__dict__, key)
                  for path, m in (self.module.named_modules() if self.module is not None else ())
-                 if self.skip is None or not self.skip(m)
                  for key, value in m.__dict__.items() if type(value) in SCALAR_TYPES and key not in MODULE_INTERNALS
-                 and (path or self.root_names is None or key in self.root_names)]
+                 and (self.keep is None or self.keep(path, m, key))]
         self._names, self._dicts, self._keys = (list(z) for z in zip(*slots)) if slots else ([], [], [])
 
     def read(self) -> tuple:

@@ -252,7 +252,7 @@ class CapturedSignature:
 
         with graph(self.fwd_graph, pool=self.pool, capture_error_mode=self.owner.capture_error_mode,
                    auto_dispatch_capture=self.owner.auto_dispatch_capture), \
-                torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), _assignments() as assigned:
+                torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), recording_assignments() as assigned:
             outputs = self.owner.call_original(*args, **kwargs)
         # Host values the forward set (self.last_len = n, a grown cache's length): a replay sets them again, as
         # the forward would, so that they match the tensors this signature's replay binds.
@@ -440,7 +440,7 @@ def _recording_setattr(module: nn.Module, name: str, value: Any) -> None:
 
 
 @contextlib.contextmanager
-def _assignments() -> Iterator[List[Tuple[nn.Module, str]]]:
+def recording_assignments() -> Iterator[List[Tuple[nn.Module, str]]]:
     """The (module, name) of every attribute this thread assigns to a module in the block."""
     global _recording_captures
     assigned: List[Tuple[nn.Module, str]] = []
