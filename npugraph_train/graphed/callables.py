@@ -67,7 +67,8 @@ class ModuleSettings:
     BatchNorm), a Dropout's ``p``, how BatchNorms track statistics (finetuning callbacks freeze them; SWA sets
     momentum=None): every attribute holding a bool, int, float or str when the module is graphed."""
 
-    def __init__(self, module: Optional[nn.Module], keep: Optional[Callable[[str, nn.Module, str], bool]] = None) -> None:
+    def __init__(self, module: Optional[nn.Module],
+                 keep: Optional[Callable[[str, nn.Module, str], bool]] = None) -> None:
         self.module = module
         self.keep = keep  # keep(module path, module, attribute): which to watch (None: all)
         self.find()
