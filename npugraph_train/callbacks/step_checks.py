@@ -92,6 +92,8 @@ _RECORDING_READ = _recording_getattribute.__code__
 @functools.lru_cache(maxsize=None)
 def _recording_class(cls: type) -> type:
     # One per class, made once: class registries (__init_subclass__) see one more subclass, not one per capture.
+    if cls.__dict__.get("__getattribute__") is _recording_getattribute:
+        return cls  # already recording (a copy made during a capture): its base is the user's class
     return type(cls.__name__, (cls,), {"__getattribute__": _recording_getattribute, "__module__": cls.__module__,
                                        "__qualname__": cls.__qualname__})
 
@@ -101,13 +103,13 @@ def recording_reads(module: torch.nn.Module) -> Iterator[Set[str]]:
     """The names of ``module``'s attributes read inside (its class is swapped for a subclass that notes them)."""
     cls = type(module)
     names: Set[str] = set()
-    _READS_BY_MODULE[id(module)] = names
-    module.__class__ = _recording_class(cls)
     try:
+        _READS_BY_MODULE[id(module)] = names
+        module.__class__ = _recording_class(cls)
         yield names
     finally:
         module.__class__ = cls
-        del _READS_BY_MODULE[id(module)]
+        _READS_BY_MODULE.pop(id(module), None)
 
 
 _HOST_COUNTERS = ("global_step", "current_epoch")

@@ -12,7 +12,8 @@ and safer than both:
   keyword names, autocast state) runs the eager forward instead of broadcasting into static buffers; with
   ``max_signatures=N`` each new signature gets its own graphs (same pool) up to N;
 - keyword tensor arguments are captured (``sample_kwargs``);
-- gradients returned to ``.grad`` never alias static buffers, so gradient accumulation is correct;
+- a parameter's ``.grad`` adopts a buffer outside the graphs' pool (no copy per call), copied out before the
+  next backward replay overwrites it, so gradient accumulation is correct;
 - warmup leaves RNG state and module buffers (BatchNorm statistics) as they were;
 - a second call before the first call's backward ran (same module twice in one step) runs eager
   rather than overwriting the activations the first backward needs; calls under ``no_grad`` return
@@ -175,8 +176,10 @@ class GraphedCallable:
         """The buffer, outside every graph pool, that this callable's backward graphs leave ``param``'s gradient
         in (shared by its signatures: a .grad still holding it is copied out before any of them replays)."""
         buffer = self._grad_buffers.get(id(param))
-        if buffer is None or (buffer.shape, buffer.dtype, buffer.device) != (param.shape, param.dtype, param.device):
-            # (a parameter moved or cast since the last capture: module.to(...), p.data = ...)
+        if buffer is None or (buffer.shape, buffer.stride(), buffer.dtype, buffer.device) != (
+                param.shape, param.stride(), param.dtype, param.device):
+            # (a parameter moved, cast or laid out anew since the last capture: module.to(...), p.data = ...); the
+            # strides are the parameter's, or AccumulateGrad would copy instead of adopting the buffer
             buffer = self._grad_buffers[id(param)] = torch.empty_like(param, requires_grad=False)
         return buffer
 
@@ -406,6 +409,7 @@ class GraphedCallable:
         for sig in self.signatures.values():
             sig.release()
         self.signatures.clear()
+        self._grad_buffers.clear()  # a .grad that adopted one keeps it
         self._released = True
 
     def report(self) -> Dict[str, Any]:

@@ -40,7 +40,7 @@ def in_checkpoint_forward() -> bool:
 
 
 def _returned_grads(statics: Sequence[Optional[torch.Tensor]], accumulators: Sequence[Any],
-                    needed: Sequence[bool]) -> Tuple[Optional[torch.Tensor], ...]:
+                    needed: Sequence[bool], copies: bool = False) -> Tuple[Optional[torch.Tensor], ...]:
     """What a graphed backward returns: copies, which the next replay cannot change, except for parameters'
     gradients on their way to ``.grad``. Those are aliases of the static buffers, as torch's
     make_graphed_callables returns: AccumulateGrad adopts one when ``.grad`` is None (zero_grad(set_to_none=True),
@@ -49,7 +49,7 @@ def _returned_grads(statics: Sequence[Optional[torch.Tensor]], accumulators: Seq
     for static, accumulator, need in zip(statics, accumulators, needed):
         if static is None or not need:
             returned.append(None)
-        elif accumulator is None or accumulator[0]._backward_hooks:  # a hook may keep the gradient it is given
+        elif copies or accumulator is None or accumulator[0]._backward_hooks:  # a hook may keep what it is given
             returned.append(static.clone())
         else:
             try:
@@ -307,8 +307,8 @@ class CapturedSignature:
         self.function = self._make_function()
 
     def copy_out_adopted_grads(self) -> None:
-        """Give parameters whose ``.grad`` is still this graph's gradient buffer a copy of it: the next backward
-        replay (or the pool's next user, after release) overwrites the buffer."""
+        """Give parameters whose ``.grad`` is still a gradient buffer of this graph a copy of it: the backward
+        replay about to run overwrites the buffer."""
         for p, static in self.param_grads:
             grad = p.grad
             if grad is not None and grad.data_ptr() == static.data_ptr():
@@ -383,12 +383,15 @@ class CapturedSignature:
                 sig.copy_out_adopted_grads()
                 if sig.bwd_graph.is_captured:
                     sig.bwd_graph.replay()
-                return _returned_grads(sig.static_grad_inputs, sig.accumulators, ctx.needs_input_grad)
+                # The signatures of one callable share its gradient buffers: while another one's backward is still
+                # to run (two calls of other shapes, a multi-crop step), its replay would overwrite an alias the
+                # engine has not yet added to .grad, so this one hands over copies.
+                shared = any(other is not sig and other.backward_pending() for other in sig.owner.signatures.values())
+                return _returned_grads(sig.static_grad_inputs, sig.accumulators, ctx.needs_input_grad, copies=shared)
 
         return Graphed
 
     def release(self) -> None:
-        self.copy_out_adopted_grads()  # a .grad left holding a buffer would keep the pool's memory
         self.pool_order.pending.pop(id(self), None)
         self.fwd_graph.reset()
         self.bwd_graph.reset()
