@@ -179,8 +179,10 @@ class GraphedCallable:
         if buffer is None or (buffer.shape, buffer.stride(), buffer.dtype, buffer.device) != (
                 param.shape, param.stride(), param.dtype, param.device):
             # (a parameter moved, cast or laid out anew since the last capture: module.to(...), p.data = ...); the
-            # strides are the parameter's, or AccumulateGrad would copy instead of adopting the buffer
-            buffer = self._grad_buffers[id(param)] = torch.empty_like(param, requires_grad=False)
+            # strides are the parameter's, or AccumulateGrad would copy instead of adopting the buffer. Zeros, not
+            # empty: nothing reads it before a replay writes it, but stubbed replays (--host-work) left garbage,
+            # whose denormals made the eager optimizer's arithmetic many times slower
+            buffer = self._grad_buffers[id(param)] = torch.zeros_like(param, requires_grad=False)
         return buffer
 
     def current_param_flags(self) -> Tuple[bool, ...]:
