@@ -722,7 +722,10 @@ class Mixup(Scheduled):
         import numpy as np
         import random
 
-        lam = float(np.random.beta(0.4, 0.4)) if self.draw == "numpy" else random.random()
+        if self.draw == "torch":  # what the refusal suggests: drawn anew by every replay
+            lam = torch.distributions.Beta(torch.tensor(0.4), torch.tensor(0.4), validate_args=False).sample()
+        else:
+            lam = float(np.random.beta(0.4, 0.4)) if self.draw == "numpy" else random.random()
         x, y = batch
         mixed = (lam * x + (1 - lam) * x.flip(0), lam * y + (1 - lam) * y.flip(0))
         return super().training_step(mixed, batch_idx)
@@ -744,9 +747,21 @@ def test_host_random_draws_in_the_step_are_refused_and_the_generator_put_back(dr
     eager, eager_next = fit([])
     callback = NPUGraphCallback(mode="whole_step", on_failure="eager")
     with pytest.warns(UserWarning, match=f"capture failed, runs eager: .*draws random numbers from {generator} on "
-                                         "the host.*torch.distributions.Beta"):
+                                         "the host.*torch.distributions.Beta\\(a, b, validate_args=False\\)"):
         graphed, graphed_next = fit([callback])
     assert _same(eager, graphed) and graphed_next == eager_next, "the capture's draw was put back"
+
+
+def test_mixup_drawn_with_torch_as_the_refusal_suggests_is_captured():
+    def fit(callbacks):
+        torch.manual_seed(0)
+        model = Mixup("torch")
+        trainer(callbacks, max_steps=8, val_check_interval=None, limit_val_batches=0).fit(model, loaders()[0])
+        return model
+
+    callback = NPUGraphCallback(mode="whole_step")
+    graphed = fit([callback])
+    assert callback.report()[0]["replays"] >= 4 and _same(fit([]), graphed)
 
 
 def test_rebinding_with_on_failure_eager_runs_eager_like_plain_lightning():

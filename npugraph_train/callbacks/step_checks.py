@@ -73,7 +73,8 @@ def host_random_error(generators: List[str]) -> Optional[GraphCaptureError]:
         f"the training step draws random numbers from {' and '.join(generators)} on the host: a replay runs no "
         "Python, so every step would use the capture step's draws (a mixup weight fixed for the whole fit). Draw "
         "them on the device with torch (torch.rand(1, device=self.device), "
-        "torch.distributions.Beta(a, b).sample()), which a replay draws anew", module_name="training_step")
+        "torch.distributions.Beta(a, b, validate_args=False).sample(): its argument check reads values on the "
+        "host), which a replay draws anew", module_name="training_step")
 
 
 _READS_BY_MODULE: Dict[int, Set[str]] = {}  # id(module) -> names of its attributes read, while recording
