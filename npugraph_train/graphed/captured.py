@@ -42,9 +42,9 @@ def in_checkpoint_forward() -> bool:
 def _returned_grads(statics: Sequence[Optional[torch.Tensor]], accumulators: Sequence[Any],
                     needed: Sequence[bool], copies: bool = False) -> Tuple[Optional[torch.Tensor], ...]:
     """What a graphed backward returns: copies, which the next replay cannot change, except for parameters'
-    gradients on their way to ``.grad``. Those are aliases of the static buffers, as torch's
-    make_graphed_callables returns: AccumulateGrad adopts one when ``.grad`` is None (zero_grad(set_to_none=True),
-    Lightning's default), so a step copies no gradients, or adds it in place."""
+    gradients on their way to ``.grad`` (unless ``copies``). Those are aliases of the callable's gradient
+    buffers, outside the pool: AccumulateGrad adopts one when ``.grad`` is None (zero_grad(set_to_none=True),
+    Lightning's default), so a step copies no gradients on the host, or adds it in place."""
     returned: List[Optional[torch.Tensor]] = []
     for static, accumulator, need in zip(statics, accumulators, needed):
         if static is None or not need:
