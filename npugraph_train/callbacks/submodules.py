@@ -53,14 +53,16 @@ def select_modules(model: nn.Module, config: NPUGraphConfig) -> List[Tuple[str, 
 
 
 def _samples(args: tuple, kwargs: dict) -> Tuple[tuple, dict]:
-    """Copies of a call's tensors, one per tensor: a tensor passed as several arguments (q, k, v) stays one."""
+    """Copies of a call's tensors, one per tensor: a tensor passed as several arguments (q, k, v) stays one.
+    Under no_grad (a teacher, a target) none requires grad, as the call's own computation needs none."""
     copies: Dict[int, torch.Tensor] = {}
+    grad_enabled = torch.is_grad_enabled()
 
     def sample(value: Any) -> Any:
         if not isinstance(value, torch.Tensor):
             return value
         if id(value) not in copies:
-            copies[id(value)] = value.detach().clone().requires_grad_(value.requires_grad)
+            copies[id(value)] = value.detach().clone().requires_grad_(value.requires_grad and grad_enabled)
         return copies[id(value)]
 
     return tree_map(sample, (args, kwargs))

@@ -44,12 +44,14 @@ def _layout(t: torch.Tensor) -> Optional[tuple]:
     return _LAYOUTS[key]
 
 
-def _leaf_signature(t: Any) -> Any:
+def _leaf_signature(t: Any, grad_enabled: bool) -> Any:
     if is_constant(t):
         return ("constant", t)
     if not isinstance(t, torch.Tensor):
         return ("non-tensor", type(t).__name__)
-    return (tuple(t.shape), t.dtype, t.device, t.requires_grad, _layout(t))
+    # Under no_grad an input's requires_grad means nothing to autograd, and kernels that look at it (matmul folds
+    # a batched input only when no gradient is needed) run as for one that does not require grad.
+    return (tuple(t.shape), t.dtype, t.device, t.requires_grad and grad_enabled, _layout(t))
 
 
 def _is_tensor_leaf(leaf: tuple) -> bool:
@@ -91,14 +93,17 @@ _new_tuple = tuple.__new__
 def signature(spec: Any, leaves: Sequence[Any], backend: Backend, param_flags: Tuple[bool, ...]) -> Signature:
     # A TreeSpec hashes in Python (about 3 us a lookup); the specs of positional-tensor calls have a token.
     # tuple.__new__ skips the Python frame of Signature's own __new__ (a quarter of a microsecond a call).
-    return _new_tuple(Signature, (_SPEC_TOKENS.get(id(spec), spec), tuple(_leaf_signature(t) for t in leaves),
+    grad_enabled = torch.is_grad_enabled()
+    return _new_tuple(Signature, (_SPEC_TOKENS.get(id(spec), spec),
+                                  tuple(_leaf_signature(t, grad_enabled) for t in leaves),
                                   backend.autocast_state(), param_flags, aliases(leaves)))
 
 
-def static_copies(flat: Sequence[Any]) -> List[Any]:
+def static_copies(flat: Sequence[Any], grad_enabled: bool = True) -> List[Any]:
     # Copies, never the caller's tensors (a tensor shared by two callables would be one static buffer), one
-    # per distinct tensor, so that a tensor passed twice stays one input whose gradient is counted once.
-    copies = {id(t): t.detach().clone().requires_grad_(t.requires_grad) for t in unique_tensors(flat)}
+    # per distinct tensor, so that a tensor passed twice stays one input whose gradient is counted once. A
+    # call under no_grad (``grad_enabled`` False) is captured as for inputs that need no gradient.
+    copies = {id(t): t.detach().clone().requires_grad_(t.requires_grad and grad_enabled) for t in unique_tensors(flat)}
     return [copies[id(t)] if isinstance(t, torch.Tensor) else t for t in flat]
 
 
