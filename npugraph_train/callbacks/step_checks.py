@@ -396,7 +396,7 @@ class BakedSetup:
         if list(map(torch.Tensor.data_ptr, self._params)) != self._storages:
             return "storage", ("a parameter's storage was replaced (p.data = ...; change parameters in place, "
                                "p.copy_(...), to keep the graph)")
-        settings = self._module_settings.read() if self._module_settings is not None else ()
+        settings = self.read_settings()
         if self._module_settings is not None and self._module_settings.differ(settings, self._setting_values):
             # A Dropout's p, a BatchNorm's momentum, a loss weight the step reads (self.beta): set by a callback
             # or a hook outside the step, and baked into the graph at its capture value.

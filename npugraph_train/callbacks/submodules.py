@@ -9,12 +9,13 @@ import torch
 import torch.nn as nn
 from lightning.pytorch.utilities import rank_zero_warn
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
-from torch.utils._pytree import tree_flatten, tree_map
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ..config import NPUGraphConfig
 from ..graphed import GraphCaptureError, graph_safe_modules, graphed_state, make_graphed_callables, ungraph
 from ..graphed.backends import Backend
 from ..graphed.marker import GraphSafeOptions, merge_options
+from ..graphed.signatures import static_copies
 from .batch import BatchKey, describe, key_of, ready_to_capture
 from .report import ENDED_BEFORE_CAPTURE, NOT_CAPTURED
 
@@ -55,17 +56,8 @@ def select_modules(model: nn.Module, config: NPUGraphConfig) -> List[Tuple[str, 
 def _samples(args: tuple, kwargs: dict) -> Tuple[tuple, dict]:
     """Copies of a call's tensors, one per tensor: a tensor passed as several arguments (q, k, v) stays one.
     Under no_grad (a teacher, a target) none requires grad, as the call's own computation needs none."""
-    copies: Dict[int, torch.Tensor] = {}
-    grad_enabled = torch.is_grad_enabled()
-
-    def sample(value: Any) -> Any:
-        if not isinstance(value, torch.Tensor):
-            return value
-        if id(value) not in copies:
-            copies[id(value)] = value.detach().clone().requires_grad_(value.requires_grad and grad_enabled)
-        return copies[id(value)]
-
-    return tree_map(sample, (args, kwargs))
+    leaves, spec = tree_flatten((args, kwargs))
+    return tree_unflatten(static_copies(leaves), spec)
 
 
 class SubmoduleGrapher:

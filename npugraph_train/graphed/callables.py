@@ -390,8 +390,7 @@ class GraphedCallable:
         # memory that other callables' pending backwards still need.
         if self.cache_pool is None:
             self.cache_pool = self.backend.graph_pool_handle()
-        sig = CapturedSignature(self, static_copies(flat, torch.is_grad_enabled()), spec, self.cache_pool,
-                                (next(batch_ids), 0))
+        sig = CapturedSignature(self, static_copies(flat), spec, self.cache_pool, (next(batch_ids), 0))
         # Its key says which parameters its backward computes gradients for: those that did at the first
         # capture, also where some are frozen now (graphs serve frozen calls; autograd drops those gradients).
         frozen = [p for p, trained in zip(self.params, self.param_flags) if trained and not p.requires_grad]

@@ -99,10 +99,11 @@ def signature(spec: Any, leaves: Sequence[Any], backend: Backend, param_flags: T
                                   backend.autocast_state(), param_flags, aliases(leaves)))
 
 
-def static_copies(flat: Sequence[Any], grad_enabled: bool = True) -> List[Any]:
+def static_copies(flat: Sequence[Any]) -> List[Any]:
     # Copies, never the caller's tensors (a tensor shared by two callables would be one static buffer), one
-    # per distinct tensor, so that a tensor passed twice stays one input whose gradient is counted once. A
-    # call under no_grad (``grad_enabled`` False) is captured as for inputs that need no gradient.
+    # per distinct tensor, so that a tensor passed twice stays one input whose gradient is counted once. Made
+    # under no_grad, none requires grad: such a call is captured as for inputs that need no gradient.
+    grad_enabled = torch.is_grad_enabled()
     copies = {id(t): t.detach().clone().requires_grad_(t.requires_grad and grad_enabled) for t in unique_tensors(flat)}
     return [copies[id(t)] if isinstance(t, torch.Tensor) else t for t in flat]
 
