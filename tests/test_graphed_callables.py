@@ -460,12 +460,27 @@ def test_training_with_zero_grad_keeping_tensors_matches_eager():
     _assert_same_state(run(False), run(True))
 
 
-def test_parameter_gradients_from_autograd_grad_are_not_static_buffers():
+@pytest.mark.parametrize("asked", ["weight", "bias", "both"])
+def test_parameter_gradients_from_autograd_grad_are_not_static_buffers(asked):
+    # One parameter's node tells a plain backward from autograd.grad for all (the weight's): asking for another
+    # one's gradient, or for several, must be found too.
     block = ng.make_graphed_callables(nn.Linear(3, 3), (torch.zeros(2, 3),))
-    (g1,) = torch.autograd.grad(block(torch.randn(2, 3)).sum() ** 2, [block.weight])
-    kept = g1.clone()
-    torch.autograd.grad(block(torch.randn(2, 3)).sum() ** 2, [block.weight])
-    assert torch.equal(g1, kept), "the second backward replay must not change the first call's gradient"
+    params = [block.weight, block.bias] if asked == "both" else [getattr(block, asked)]
+    first = torch.autograd.grad(block(torch.randn(2, 3)).sum() ** 2, params)
+    kept = [g.clone() for g in first]
+    torch.autograd.grad(block(torch.randn(2, 3)).sum() ** 2, params)
+    assert all(map(torch.equal, first, kept)), "the second backward replay must not change the first call's gradient"
+
+
+def test_backward_with_inputs_accumulates_only_those_parameters_as_eager():
+    torch.manual_seed(0)
+    eager = nn.Linear(3, 3)
+    graphed = ng.make_graphed_callables(copy.deepcopy(eager), (torch.zeros(2, 3),))
+    for step in range(3):
+        x = torch.randn(2, 3)
+        for model in (eager, graphed):
+            (model(x) ** 2).sum().backward(inputs=[model.bias] if step % 2 else [model.weight, model.bias])
+    assert torch.equal(graphed.weight.grad, eager.weight.grad) and torch.equal(graphed.bias.grad, eager.bias.grad)
 
 
 def test_global_module_hooks_are_refused():

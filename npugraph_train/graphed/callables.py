@@ -162,6 +162,7 @@ class GraphedCallable:
         self.module_settings = ModuleSettings(func if self.is_module else None)
         self.settings = self.module_settings.read()
         self._hook_handles_seen = -1  # RemovableHandle.next_id at the last scan that found no hook
+        self._param_hooks_seen, self._params_hooked = -1, False  # the same for tensor hooks on the parameters
         self.param_flags = self.current_param_flags()
         self.training = func.training if self.is_module else None
         self.signatures: Dict[Signature, CapturedSignature] = {}
@@ -323,6 +324,14 @@ class GraphedCallable:
                 return f"a hook was added to its submodule {next(n for n, m in self.func.named_modules() if m is sub)}"
         self._hook_handles_seen = handles
         return ""
+
+    def params_hooked(self) -> bool:
+        """Whether a parameter has a tensor hook (``p.register_hook``), which may keep the gradient it is given."""
+        handles = RemovableHandle.next_id  # every registration takes one
+        if handles != self._param_hooks_seen:
+            self._params_hooked = any(p._backward_hooks for p in self.params)
+            self._param_hooks_seen = handles
+        return self._params_hooked
 
     def _why_not_capture(self, key: Signature, flat: List[Any]) -> Optional[Tuple[str, str]]:
         """(kind, reason) when a call of a new signature runs eager instead of capturing, else None."""

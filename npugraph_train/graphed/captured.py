@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import operator
 import threading
 import time
 import weakref
@@ -29,6 +30,8 @@ from .state_attributes import (MODULE_INTERNALS, SCALAR_TYPES, StateAttributes, 
 if TYPE_CHECKING:
     from .callables import GraphedCallable
 
+_grad_of = operator.attrgetter("grad")
+
 # Callables captured together share a batch id; their position in the batch is their capture order.
 batch_ids = itertools.count()
 
@@ -44,7 +47,8 @@ def _returned_grads(statics: Sequence[Optional[torch.Tensor]], accumulators: Seq
     """What a graphed backward returns: copies, which the next replay cannot change, except for parameters'
     gradients on their way to ``.grad`` (unless ``copies``). Those are aliases of the callable's gradient
     buffers, outside the pool: AccumulateGrad adopts one when ``.grad`` is None (zero_grad(set_to_none=True),
-    Lightning's default), so a step copies no gradients on the host, or adds it in place."""
+    Lightning's default), so a step copies no gradients on the host, or adds it in place. (The per-parameter
+    form of :meth:`CapturedSignature.returned_grads`, for backwards that are not plain ``.backward()`` calls.)"""
     returned: List[Optional[torch.Tensor]] = []
     for static, accumulator, need in zip(statics, accumulators, needed):
         if static is None or not need:
@@ -58,6 +62,23 @@ def _returned_grads(statics: Sequence[Optional[torch.Tensor]], accumulators: Seq
             except RuntimeError:  # torch.autograd.grad(..., inputs=[parameter]) hands it to the caller instead
                 returned.append(static.clone())
     return tuple(returned)
+
+
+def _aliases_reach_grad(probe: Optional[Tuple[int, Any]], needed: Sequence[bool]) -> bool:
+    """Whether every parameter gradient this backward returns goes to ``.grad`` (or nowhere), none to a caller.
+
+    ``probe`` is (position, AccumulateGrad node) of one parameter with a gradient. Leaves' gradients go to a
+    caller only in ``torch.autograd.grad(..., inputs=[...])``, which hands over those of all its inputs; if it
+    is running, the probe's node either raises (among its inputs) or is not executed. Otherwise (``.backward()``,
+    or ``.backward(inputs=...)``, which accumulates all its inputs) it is executed. One engine query instead of
+    one per parameter.
+    """
+    if probe is None or not needed[probe[0]]:
+        return False
+    try:
+        return torch._C._will_engine_execute_node(probe[1])
+    except RuntimeError:
+        return False
 
 
 class PoolOrder:
@@ -138,7 +159,9 @@ class CapturedSignature:
         self.static_grad_outputs: Tuple[Optional[torch.Tensor], ...] = ()
         self.static_grad_inputs: Tuple[Optional[torch.Tensor], ...] = ()
         self.param_grads: List[Tuple[torch.Tensor, torch.Tensor]] = []  # (parameter, its gradient buffer)
+        self.grad_params: List[torch.Tensor] = []  # the parameters of param_grads
         self.accumulators: List[Any] = []  # per surface tensor: (a parameter, its AccumulateGrad node), else None
+        self.probe: Optional[Tuple[int, Any]] = None  # one parameter's (position, node): see _aliases_reach_grad
         self.function: Any = None
         self.attributes: Optional[StateAttributes] = None  # attributes the forward only writes, if any
 
@@ -301,16 +324,29 @@ class CapturedSignature:
         self.static_grad_inputs = tuple(next(it) if (i.requires_grad and grads) else None for i in self.surface)
         param_grads = self.static_grad_inputs[len(self.static_inputs):]
         self.param_grads = [(p, g) for p, g in zip(self.owner.params, param_grads) if g is not None]
+        self.grad_params = [p for p, _ in self.param_grads]
         # Held, so that each backward reaches these very nodes (a parameter keeps its accumulator only weakly).
         self.accumulators = [None] * len(self.static_inputs) + [
             (p, get_gradient_edge(p).node) if g is not None else None for p, g in zip(self.owner.params, param_grads)]
+        self.probe = next(((i, a[1]) for i, a in enumerate(self.accumulators) if a is not None), None)
         self.function = self._make_function()
+
+    def returned_grads(self, needed: Sequence[bool], copies: bool) -> Tuple[Optional[torch.Tensor], ...]:
+        """The gradients a backward replay returns: see :func:`_returned_grads`. In a plain ``.backward()`` with
+        no tensor hooks on the parameters (each replay's case), one check serves all parameters."""
+        if copies or self.owner.params_hooked() or not _aliases_reach_grad(self.probe, needed):
+            return _returned_grads(self.static_grad_inputs, self.accumulators, needed, copies)
+        num_user = len(self.static_inputs)
+        return tuple(None if static is None or not need else static.clone() if i < num_user else static.detach()
+                     for i, (static, need) in enumerate(zip(self.static_grad_inputs, needed)))
 
     def copy_out_adopted_grads(self) -> None:
         """Give parameters whose ``.grad`` is still a gradient buffer of this graph a copy of it: the backward
         replay about to run overwrites the buffer."""
-        for p, static in self.param_grads:
-            grad = p.grad
+        grads = list(map(_grad_of, self.grad_params))
+        if grads.count(None) == len(grads):  # zero_grad(set_to_none=True) ran: each step's case, checked at C speed
+            return
+        for (p, static), grad in zip(self.param_grads, grads):
             if grad is not None and grad.data_ptr() == static.data_ptr():
                 p.grad = grad.clone()
 
@@ -387,7 +423,7 @@ class CapturedSignature:
                 # to run (two calls of other shapes, a multi-crop step), its replay would overwrite an alias the
                 # engine has not yet added to .grad, so this one hands over copies.
                 shared = any(other is not sig and other.backward_pending() for other in sig.owner.signatures.values())
-                return _returned_grads(sig.static_grad_inputs, sig.accumulators, ctx.needs_input_grad, copies=shared)
+                return sig.returned_grads(ctx.needs_input_grad, copies=shared)
 
         return Graphed
 
