@@ -1,5 +1,6 @@
 import dataclasses
 import inspect
+import random
 import re
 import warnings
 
@@ -629,3 +630,31 @@ def test_a_teacher_called_under_no_grad_matches_eager_bitwise():
     eager, graphed = run([]), run([graphs])
     assert all(row["replays"] >= 8 for row in graphs.report()), graphs.report()
     assert _same_params(eager, graphed)
+
+
+class StochasticDepth(Regressor):
+    """Skips its first block at random, the choice drawn with Python's random inside the block's forward."""
+
+    def __init__(self):
+        super().__init__()
+        block = self.blocks[0]
+        forward = block.forward
+        block.forward = lambda x: forward(x) if random.random() < 0.7 else x
+
+
+def test_a_graph_safe_block_drawing_on_the_host_runs_eager_like_plain_lightning():
+    def run(callbacks):
+        random.seed(0)
+        torch.manual_seed(0)
+        model = StochasticDepth()
+        trainer(callbacks, max_steps=12).fit(model, *loaders())
+        return model, random.random()
+
+    eager, eager_next = run([])
+    callback = NPUGraphCallback(warmup_steps=2, on_failure="eager")
+    with pytest.warns(UserWarning, match="blocks.0 capture failed, runs eager: .*draws random numbers from "
+                                         "Python's random on the host"):
+        graphed, graphed_next = run([callback])
+    assert _same_params(eager, graphed) and graphed_next == eager_next
+    rows = {row["module"]: row for row in callback.report()}
+    assert rows["blocks.0"]["status"].startswith("capture failed") and rows["blocks.1"]["replays"] == 9

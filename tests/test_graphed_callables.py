@@ -1,5 +1,6 @@
 import copy
 import io
+import random
 import sys
 from pathlib import Path
 
@@ -1462,3 +1463,32 @@ def test_a_failed_capture_leaves_no_captured_tensors_alive():
         with pytest.raises(ng.GraphCaptureError, match="_ReadsOnHost"):
             ng.make_graphed_callables((good, _ReadsOnHost()), ((x,), (x,)))
         assert _live_tensors() == before, f"attempt {attempt}"
+
+
+class HostDrawn(nn.Module):
+    """Scales its output by a choice drawn on the host (stochastic depth written with Python's random)."""
+
+    def __init__(self, generator=None):
+        super().__init__()
+        self.lin = nn.Linear(3, 3)
+        self.rng = generator
+
+    def forward(self, x):
+        u = random.random() if self.rng is None else self.rng.random()
+        return self.lin(x) * (2.0 if u < 0.5 else 1.0)
+
+
+@pytest.mark.parametrize("kind, named", [("global", "Python's random"), ("Random", r"net.rng \(random.Random\)"),
+                                         ("numpy", r"net.rng \(numpy.random.Generator\)")])
+def test_a_forward_drawing_on_the_host_is_refused_and_its_generator_put_back(kind, named):
+    import numpy as np
+
+    generator = {"global": None, "Random": random.Random(0), "numpy": np.random.default_rng(0)}[kind]
+    random.seed(0)
+    before = random.getstate(), repr(generator.getstate() if kind == "Random" else
+                                     generator.bit_generator.state if kind == "numpy" else None)
+    with pytest.raises(ng.GraphCaptureError, match=f"net: its forward draws random numbers from {named} on the host"):
+        ng.make_graphed_callables(HostDrawn(generator), (torch.randn(2, 3),), names=["net"])
+    after = random.getstate(), repr(generator.getstate() if kind == "Random" else
+                                    generator.bit_generator.state if kind == "numpy" else None)
+    assert after == before, "warmup leaves the host generators as they were"

@@ -715,8 +715,13 @@ class Mixup(Scheduled):
     """Draws its mixing weight on the host each step: a replay would reuse the capture step's draw."""
 
     def __init__(self, draw="numpy"):
+        import numpy as np
+        import random
+
         super().__init__(optimizer="adamw")
         self.draw = draw
+        # Generators of its own, seeded (the "rng" draws), as reproducible augmentation code keeps them.
+        self.rng = np.random.default_rng(0) if draw == "rng" else random.Random(0) if draw == "Random" else None
 
     def training_step(self, batch, batch_idx):
         import numpy as np
@@ -724,6 +729,8 @@ class Mixup(Scheduled):
 
         if self.draw == "torch":  # what the refusal suggests: drawn anew by every replay
             lam = torch.distributions.Beta(torch.tensor(0.4), torch.tensor(0.4), validate_args=False).sample()
+        elif self.rng is not None:
+            lam = float(self.rng.beta(0.4, 0.4)) if self.draw == "rng" else self.rng.random()
         else:
             lam = float(np.random.beta(0.4, 0.4)) if self.draw == "numpy" else random.random()
         x, y = batch
@@ -731,7 +738,9 @@ class Mixup(Scheduled):
         return super().training_step(mixed, batch_idx)
 
 
-@pytest.mark.parametrize("draw, generator", [("numpy", "NumPy's np.random"), ("python", "Python's random")])
+@pytest.mark.parametrize("draw, generator", [("numpy", "NumPy's np.random"), ("python", "Python's random"),
+                                             ("rng", "rng \\(numpy.random.Generator\\)"),
+                                             ("Random", "rng \\(random.Random\\)")])
 def test_host_random_draws_in_the_step_are_refused_and_the_generator_put_back(draw, generator):
     import numpy as np
     import random
@@ -750,6 +759,8 @@ def test_host_random_draws_in_the_step_are_refused_and_the_generator_put_back(dr
                                          "the host.*torch.distributions.Beta\\(a, b, validate_args=False\\)"):
         graphed, graphed_next = fit([callback])
     assert _same(eager, graphed) and graphed_next == eager_next, "the capture's draw was put back"
+    if graphed.rng is not None:
+        assert graphed.rng.random() == eager.rng.random(), "the module's own generator was put back"
 
 
 def test_mixup_drawn_with_torch_as_the_refusal_suggests_is_captured():

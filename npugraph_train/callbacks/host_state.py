@@ -18,14 +18,13 @@ from __future__ import annotations
 
 import copy
 import functools
-import random
-import sys
 import weakref
 from typing import Any, Dict, Iterable, List, NamedTuple, Tuple
 
 import lightning.pytorch as pl
 import torch
 
+from ..graphed.host_random import HostRandom
 from ..graphed.state_attributes import MODULE_INTERNALS, SCALAR_TYPES, attribute_path, scalar_changed, tensors_in
 
 _NOT_STATE = MODULE_INTERNALS | {"training"}
@@ -93,12 +92,12 @@ class HostState:
         self._holders = [_Holder(name, values, skip, dict(values),
                                  {k: copy.deepcopy(v) for k, v in values.items() if k not in skip and is_host_value(v)})
                          for name, values, skip in holders]
-        self._generators = {name: get() for name, (get, _) in _host_generators().items()}
+        self._random = HostRandom((name, values) for name, values, _ in holders)
 
     def random_draws(self) -> List[str]:
-        """The host random generators (Python's ``random``, NumPy's global ``np.random``) drawn from since."""
-        return [name for name, (get, _) in _host_generators().items()
-                if name in self._generators and not _same_state(get(), self._generators[name])]
+        """The host random generators (Python's ``random``, NumPy's global ``np.random``, generator objects held
+        as attributes) drawn from since."""
+        return self._random.drawn()
 
     def changed(self) -> List[str]:
         """``name (before -> now)`` of each host value changed, made or deleted since (a host value replaced by a
@@ -121,9 +120,7 @@ class HostState:
     def restore(self) -> None:
         """Every value as bound when the capture started, lists and dicts refilled in place (so that other
         references to them see it); host values made since are removed; the host random generators as they were."""
-        generators = _host_generators()
-        for name, state in self._generators.items():
-            generators[name][1](state)
+        self._random.restore()
         for holder in self._holders:
             for key, now in list(holder.values.items()):
                 if key not in holder.skip and key not in holder.bound and is_host_value(now):
@@ -136,21 +133,6 @@ class HostState:
                 elif holder.values.get(key, _MISSING) is not bound and (
                         key not in holder.values or is_host_value(holder.values[key]) or _is_plain_object(bound)):
                     holder.values[key] = bound  # deleted, a host value put where a tensor was, an object replaced
-
-
-def _host_generators() -> Dict[str, Tuple[Any, Any]]:
-    """(get state, set state) of the host random generators a step could draw from: NumPy's only once imported."""
-    generators = {"Python's random": (random.getstate, random.setstate)}
-    numpy = sys.modules.get("numpy")
-    if numpy is not None:
-        generators["NumPy's np.random"] = (numpy.random.get_state, numpy.random.set_state)
-    return generators
-
-
-def _same_state(a: Any, b: Any) -> bool:
-    # NumPy's state holds an array (whose == gives no bool); Python's is a tuple of ints.
-    return all(_same_state(x, y) for x, y in zip(a, b)) if isinstance(a, tuple) and len(a) == len(b) else (
-        bool((a == b).all()) if hasattr(a, "all") else a == b)
 
 
 def _refilled(current: Any, saved: Any) -> Any:

@@ -23,6 +23,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from .errors import GraphCaptureError, GraphStateError
 from .graphs import Graph, graph
+from .host_random import HostRandom
 from .signatures import Signature, describe_signature, unique_tensors
 from .state_attributes import (MODULE_INTERNALS, SCALAR_TYPES, StateAttributes, StorageReads, attribute_path,
                                carried_state_message, storage_address, tensors_in)
@@ -521,7 +522,8 @@ class _NoBackward(torch.autograd.Function):
 def capture_signatures(sigs: Sequence[CapturedSignature], key_of: Dict[int, Signature]) -> None:
     """Warm up, then capture forwards in order and backwards in reverse order (torch's pool order).
 
-    RNG state, module buffers and tensor attributes are restored after warmup, so warmup leaves no trace.
+    RNG state (torch's and the host generators'), module buffers and tensor attributes are restored after warmup,
+    so warmup leaves no trace; a forward that draws from a host generator is refused.
     On failure nothing is registered and the error names the callable.
     """
     owners = [s.owner for s in sigs]
@@ -534,6 +536,8 @@ def capture_signatures(sigs: Sequence[CapturedSignature], key_of: Dict[int, Sign
     reads = StorageReads()
     attributes: Dict[int, StateAttributes] = {}
     cpu_rng, device_rng = torch.get_rng_state(), backend.get_rng_state()
+    host_random = HostRandom((f"{o.name}.{path}" if path else o.name, vars(m)) for o in owners if o.is_module
+                             for path, m in o.func.named_modules())
     seconds = {id(sig): 0.0 for sig in sigs}
 
     def restore() -> None:
@@ -548,6 +552,7 @@ def capture_signatures(sigs: Sequence[CapturedSignature], key_of: Dict[int, Sign
         torch.set_rng_state(cpu_rng)
         if device_rng is not None:
             backend.set_rng_state(device_rng)
+        host_random.restore()
 
     def timed(sig: CapturedSignature, phase: Callable[[], None]) -> None:
         started = time.perf_counter()
@@ -561,6 +566,14 @@ def capture_signatures(sigs: Sequence[CapturedSignature], key_of: Dict[int, Sign
             with backend.stream(backend.new_stream()):
                 for current in sigs:
                     timed(current, current.warmup)
+                    drawn = host_random.drawn()
+                    if drawn:
+                        raise GraphCaptureError(
+                            f"{current.owner.name}: its forward draws random numbers from {' and '.join(drawn)} on "
+                            "the host: a replay runs no Python, so every call would repeat the capture's draws (a "
+                            "stochastic-depth or augmentation choice fixed for the whole fit). Draw them with torch "
+                            "on the device (torch.rand((), device=x.device) < p), which a replay draws anew, or keep "
+                            "this module eager")
             backend.synchronize()
             restore()
             # Taken after warmup, which may have made attributes that the forward then writes on every call.
