@@ -7,6 +7,7 @@ import warnings
 import pytest
 import torch
 import torch.nn as nn
+from lightning.pytorch import Callback
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from omegaconf import OmegaConf
@@ -658,3 +659,33 @@ def test_a_graph_safe_block_drawing_on_the_host_runs_eager_like_plain_lightning(
     assert _same_params(eager, graphed) and graphed_next == eager_next
     rows = {row["module"]: row for row in callback.report()}
     assert rows["blocks.0"]["status"].startswith("capture failed") and rows["blocks.1"]["replays"] == 9
+
+
+class Scaled(Regressor):
+    """Its first block scales its output by a tensor kept in a plain attribute (not a buffer)."""
+
+    def __init__(self):
+        super().__init__()
+        block = self.blocks[0]
+        block.scale = torch.tensor(1.0)
+        block.forward = lambda x: x + torch.tanh(block.norm(block.lin(x))) * block.scale
+
+
+def test_a_tensor_attribute_of_a_graphed_block_rebound_captures_again():
+    class Rebinds(Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            if trainer.global_step == 5:
+                pl_module.blocks[0].scale = torch.tensor(0.2)
+
+    def run(callbacks):
+        torch.manual_seed(0)
+        model = Scaled()
+        trainer([Rebinds()] + callbacks, max_steps=8).fit(model, *loaders())
+        return model
+
+    eager = run([])
+    callback = NPUGraphCallback(warmup_steps=2)
+    with pytest.warns(RuntimeWarning, match=r"blocks.0: the tensor in its attribute scale was replaced \(scale = "):
+        graphed = run([callback])
+    assert _same_params(eager, graphed)
+    assert callback.report()[0]["signatures"][0]["captures"] == 2

@@ -16,8 +16,9 @@ from __future__ import annotations
 import contextlib
 import functools
 import sys
+import operator
 import threading
-from typing import Any, Callable, Collection, ContextManager, Dict, Iterator, List, Optional, Set, Tuple
+from typing import Any, Callable, Collection, ContextManager, Dict, Iterator, List, Optional, Sequence, Set, Tuple
 
 import lightning.pytorch as pl
 import torch
@@ -318,6 +319,10 @@ class BakedSetup:
         self._handles = -1  # RemovableHandle.next_id when the structure was last found unchanged
         self._module_settings: Optional[ModuleSettings] = None
         self._setting_values: tuple = ()
+        # Attributes bound to tensors the step read (a buffer, a loss weight kept as a tensor): labels, the dicts
+        # holding them, their keys, and the tensors bound at capture.
+        self._bound: Tuple[list, list, list, list] = ([], [], [], [])
+        self._kept_grads: List[Tuple[torch.Tensor, torch.Tensor]] = []
 
     def track_lrs(self, groups: List[Dict[str, Any]]) -> None:
         """The lr tensors that eager steps and the coming capture read (after the optimizer's conversion)."""
@@ -336,10 +341,17 @@ class BakedSetup:
             self._lrs = [group["lr"] for group in groups]
 
     def remember(self, module: "pl.LightningModule", optimizer: torch.optim.Optimizer,
-                 root_reads: Collection[str] = (), assigned: Collection[Tuple[Any, str]] = ()) -> None:
+                 root_reads: Collection[str] = (), assigned: Collection[Tuple[Any, str]] = (),
+                 bindings: Sequence[Tuple[str, Dict[str, Any], str, torch.Tensor]] = ()) -> None:
         """Note the setup as the graph just captured it. ``root_reads``: the LightningModule's own attributes the
         step read (of its submodules every setting counts); ``assigned``: the (module, attribute) pairs the step
-        assigned, which are its outputs, not settings (self.n = x.shape[0], rewritten by eager forwards)."""
+        assigned, which are its outputs, not settings (self.n = x.shape[0], rewritten by eager forwards);
+        ``bindings``: the attributes bound to tensors the step read (``StateAttributes.read_bindings``)."""
+        self._bound = tuple(map(list, zip(*bindings))) if bindings else ([], [], [], [])
+        # Gradients of frozen parameters that the captured optimizer step reads (zero_grad(set_to_none=False) kept
+        # them) and no backward writes: eager steps stop updating such a parameter once its .grad is None.
+        self._kept_grads = [(p, p.grad) for group in optimizer.param_groups for p in group["params"]
+                            if not p.requires_grad and p.grad is not None]
         watched_root = set(root_reads) - lightning_internals()
         written = {(id(owner), name) for owner, name in assigned}
 
@@ -374,10 +386,11 @@ class BakedSetup:
     def change(self, module: "pl.LightningModule", optimizer: torch.optim.Optimizer,
                batch_idx: int) -> Optional[Tuple[str, str]]:
         """(kind, description) of what changed since capture that the graph baked in, or None. The optimizer,
-        param groups, train/eval flags, requires_grad, parameter storage and module settings are checked every
-        step (4 µs for 8 parameters, 18 µs per 100 more); hooks whenever one was registered (each takes a
-        handle id); parameters, buffers and hooks at each epoch's first batch (where callbacks such as
-        ModelPruning change them)."""
+        param groups, train/eval flags, requires_grad, parameter storage, tensors bound to attributes the step
+        read, frozen parameters' kept gradients and module settings are checked every step (4 µs for 8
+        parameters, 18 µs per 100 more); hooks whenever one was registered (each takes a handle id);
+        parameters, buffers and hooks at each epoch's first batch (where callbacks such as ModelPruning change
+        them)."""
         if optimizer is not self._optimizer:
             return "optimizer", "the optimizer was replaced (trainer.optimizers)"
         if optimizer.state is not self._state:
@@ -396,6 +409,14 @@ class BakedSetup:
         if list(map(torch.Tensor.data_ptr, self._params)) != self._storages:
             return "storage", ("a parameter's storage was replaced (p.data = ...; change parameters in place, "
                                "p.copy_(...), to keep the graph)")
+        if any(p.grad is not grad for p, grad in self._kept_grads):
+            return "frozen grad", ("the .grad of a frozen parameter, which the captured optimizer step reads, was "
+                                   "set to None or replaced (zero_grad(set_to_none=True) outside the step)")
+        _, dicts, keys, tensors = self._bound
+        if keys and not all(map(operator.is_, map(dict.get, dicts, keys), tensors)):
+            label = next(label for label, d, k, t in zip(*self._bound) if d.get(k) is not t)
+            return "bound tensor", (f"the tensor in {label} was replaced ({label} = ...; fill it in place, "
+                                    f"{label}.copy_(...) or .fill_(...), to keep the graph)")
         settings = self.read_settings()
         if self._module_settings is not None and self._module_settings.differ(settings, self._setting_values):
             # A Dropout's p, a BatchNorm's momentum, a loss weight the step reads (self.beta): set by a callback

@@ -167,7 +167,6 @@ class WholeStepGrapher:
         static_kwargs["batch"] = tree_unflatten(self.static_leaves, spec)
         if "batch_idx" in static_kwargs:
             static_kwargs["batch_idx"] = WatchedIndex(static_kwargs["batch_idx"], self._warn_host_read)
-        optimizer.zero_grad(set_to_none=True)  # backward allocates the gradients inside the graph
         attributes = StateAttributes(module, holders=is_metric)
         host_state = HostState(module, unwrap(optimizer), callbacks_inside_step(loop.trainer))
         self.logs = StepLogRecorder(module)
@@ -263,7 +262,7 @@ class WholeStepGrapher:
         self.static_result = result
         self.static_grads = [(p, p.grad) for group in unwrap(optimizer).param_groups for p in group["params"]
                              if p.grad is not None]
-        self.baked.remember(module, unwrap(optimizer), root_reads, assigned)
+        self.baked.remember(module, unwrap(optimizer), root_reads, assigned, attributes.read_bindings())
         self.captures.append({"description": describe(key), "reason": self.recapture_reason,
                               "first_replay": self.replays, "capture_seconds": self.capture_seconds,
                               "pool_bytes": self.pool_bytes})

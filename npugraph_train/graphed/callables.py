@@ -26,7 +26,8 @@ and safer than both:
 - a parameter or input that gains ``requires_grad`` after capture (unfrozen) recaptures the module;
   freezing keeps the graphs (autograd drops the gradients of frozen parameters and inputs);
 - a changed submodule setting (train/eval, ``Dropout.p``, any scalar attribute), a parameter's storage
-  replaced (``p.data = ...``) or a buffer rebound between calls recaptures, replaced parameters
+  replaced (``p.data = ...``) or a buffer or tensor attribute the forward reads rebound between calls
+  (``self.scale = torch.tensor(0.2)``) recaptures, replaced parameters
   (``load_state_dict(assign=True)``, ``functional_call``) run eager; state a forward carries
   by rebinding an attribute (``self.avg = 0.9 * self.avg + ...``) is refused at capture;
 - double backward (``create_graph=True``) and a second backward after another call are refused
@@ -156,8 +157,11 @@ class GraphedCallable:
         self._param_dicts, self._param_names, self._param_objects = (
             (list(z) for z in zip(*param_slots)) if param_slots else ([], [], []))
         # Memory the graphs read that code outside the forward may move: a parameter's storage (p.data = ...,
-        # a max-norm constraint) and the buffers in their slots (a schedule kept in a buffer, rebound).
-        self._buffer_slots = [(m, n) for m in modules for n, b in m._buffers.items() if b is not None]
+        # a max-norm constraint), the buffers in their slots (a schedule kept in a buffer, rebound) and plain
+        # tensor attributes the captured forwards read (see note_memory).
+        self._buffer_slots = [(attribute_path(path, n), m._buffers, n) for path, m in
+                              (func.named_modules() if self.is_module else ()) for n, b in m._buffers.items()
+                              if b is not None]
         # Hooks of the module itself run around the graphed forward; those of its submodules would not.
         self.submodules = modules[1:]
         self.module_settings = ModuleSettings(func if self.is_module else None)
@@ -194,25 +198,33 @@ class GraphedCallable:
         return all(map(operator.is_, map(dict.get, self._param_dicts, self._param_names), self._param_objects))
 
     def note_memory(self) -> None:
-        """Take the parameters' storage and the buffers in their slots as the graphs' (after a capture). Buffers
-        the forward only writes are left out: a replay binds them to its own tensors."""
+        """Take the parameters' storage, the buffers in their slots and the plain tensor attributes the captured
+        forwards read (``self.scale = torch.tensor(0.5)``) as the graphs' (after a capture). Attributes the
+        forward only writes are left out: a replay binds them to its own tensors."""
         self._param_ptrs = list(map(torch.Tensor.data_ptr, self._param_objects))
-        written = {(id(module), attr) for sig in self.signatures.values() if sig.attributes is not None
-                   for _, module, where, attr, _, _ in sig.attributes.written if where == "_buffers"}
-        watched = [(m._buffers, n) for m, n in self._buffer_slots if (id(m), n) not in written]
-        self._buffer_dicts, self._buffer_names = (list(z) for z in zip(*watched)) if watched else ([], [])
-        self._buffers_seen = self._buffers_now()
+        written = {(id(getattr(module, where)), attr) for sig in self.signatures.values() if sig.attributes is not None
+                   for _, module, where, attr, _, _ in sig.attributes.written}
+        slots = {(id(holder), key): (name, holder, key) for name, holder, key in self._buffer_slots}
+        slots.update(((id(holder), key), (name, holder, key)) for sig in self.signatures.values()
+                     for name, holder, key, _ in sig.read_bindings)
+        watched = [slot for where, slot in slots.items() if where not in written]
+        self._bound_labels, self._bound_dicts, self._bound_names = (
+            (list(z) for z in zip(*watched)) if watched else ([], [], []))
+        self._bound_seen = self._bound_now()
 
-    def _buffers_now(self) -> List[Any]:
-        return list(map(dict.get, self._buffer_dicts, self._buffer_names))
+    def _bound_now(self) -> List[Any]:
+        return list(map(dict.get, self._bound_dicts, self._bound_names))
 
     def _memory_moved(self) -> Optional[Tuple[str, str]]:
         """(what, how to keep the graphs) for memory the graphs read that moved since capture, or None."""
         if list(map(torch.Tensor.data_ptr, self._param_objects)) != self._param_ptrs:
             return ("a parameter's storage was replaced (p.data = ...)",
                     "change parameters in place, p.copy_(...), to keep the graphs")
-        if self._buffer_names and not all(map(operator.is_, self._buffers_now(), self._buffers_seen)):
-            return "a buffer was rebound (module.buf = ...)", "fill it in place, buf.copy_(...), to keep the graphs"
+        if self._bound_names and not all(map(operator.is_, self._bound_now(), self._bound_seen)):
+            label = next(label for label, was, now in zip(self._bound_labels, self._bound_seen, self._bound_now())
+                         if now is not was)
+            return (f"the tensor in its attribute {label} was replaced ({label} = ...)",
+                    f"fill it in place ({label}.copy_(...), .fill_(...)) to keep the graphs")
         return None
 
     def call_original(self, *args: Any, **kwargs: Any) -> Any:
@@ -378,12 +390,12 @@ class GraphedCallable:
             self._warn_once(kind or reason, f"npugraph_train: {self.name} ran eager: {reason}. Later eager calls for "
                             "this reason are only counted (graphed_state(...).report())")
         self.eager_calls[reason] += 1
-        before, buffers = self.module_settings.read(), self._buffers_now()
+        before, bound = self.module_settings.read(), self._bound_now()
         out = self.call_original(*args, **kwargs)
         self.settings = self.module_settings.adopt(self.settings, before, self.module_settings.read())
-        # Buffers the forward rebinds are its own; one rebound before this call is still a change for the graphs.
-        self._buffers_seen = [now if now is not was else seen
-                              for seen, was, now in zip(self._buffers_seen, buffers, self._buffers_now())]
+        # Tensors the forward rebinds are its own; one rebound before this call is still a change for the graphs.
+        self._bound_seen = [now if now is not was else seen
+                            for seen, was, now in zip(self._bound_seen, bound, self._bound_now())]
         return out
 
     def _warn_recapture(self, what: str) -> None:

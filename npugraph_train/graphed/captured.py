@@ -165,6 +165,8 @@ class CapturedSignature:
         self.probe: Optional[Tuple[int, Any]] = None  # one parameter's (position, node): see _aliases_reach_grad
         self.function: Any = None
         self.attributes: Optional[StateAttributes] = None  # attributes the forward only writes, if any
+        # Attributes bound to tensors the captured forward read: (name, holder dict, key, tensor).
+        self.read_bindings: List[Tuple[str, Dict[str, Any], str, torch.Tensor]] = []
 
     @property
     def surface(self) -> Tuple[torch.Tensor, ...]:
@@ -592,6 +594,7 @@ def capture_signatures(sigs: Sequence[CapturedSignature], key_of: Dict[int, Sign
                     kept.guard_written_with_grad(
                         lambda t, name, owner=current.owner.name: _NoBackward.apply(t, name, owner))
                 current.attributes = kept if kept is not None and kept.written else None
+                current.read_bindings = kept.read_bindings() if kept is not None else []
             for current in reversed(sigs):
                 timed(current, current.capture_backward)
     except BaseException as exc:  # Ctrl-C or any error in a user's forward: warmup must leave no trace either

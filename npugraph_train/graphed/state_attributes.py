@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import itertools
 import weakref
-from typing import Any, Callable, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -229,6 +229,16 @@ class StateAttributes:
             else:
                 self.written.append((path, module, where, attr, now, _snapshot(now)))
         return carried
+
+    def read_bindings(self) -> List[Tuple[str, Dict[str, Any], str, torch.Tensor]]:
+        """After capture: (name, the dict holding it, key, tensor) of each attribute bound to a tensor that the
+        captured ops read and that the capture left bound (a buffer, a loss weight kept as a plain tensor
+        attribute). Rebound later (``module.scale = torch.tensor(0.2)``), the graph would go on reading the old
+        tensor."""
+        return [(attribute_path(path, attr), getattr(module, where), attr, value)
+                for path, module, where, attr, value, _ in self._before
+                if isinstance(value, torch.Tensor) and getattr(module, where).get(attr) is value
+                and storage_address(value) is not None and storage_address(value) in self.reads.read]
 
     def guard_written_with_grad(self, guard: Callable[[torch.Tensor, str], torch.Tensor]) -> None:
         """Bind written-only attributes holding a computed tensor that requires grad (``self.aux_loss = ...``)
