@@ -1493,3 +1493,29 @@ def test_a_forward_drawing_on_the_host_is_refused_and_its_generator_put_back(kin
     after = random.getstate(), repr(generator.getstate() if kind == "Random" else
                                     generator.bit_generator.state if kind == "numpy" else None)
     assert after == before, "warmup leaves the host generators as they were"
+
+
+def test_graphs_dropped_on_every_call_give_way_to_eager():
+    # A tensor rebound before every call (an annealed temperature) would cost a capture per call.
+    class Tempered(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(3, 3)
+            self.temperature = torch.tensor(1.0)
+
+        def forward(self, x):
+            return self.lin(x) / self.temperature
+
+    torch.manual_seed(0)
+    eager = Tempered()
+    graphed = ng.make_graphed_callables(copy.deepcopy(eager), (torch.randn(2, 3),), names=["head"])
+    with pytest.warns(RuntimeWarning, match="head ran eager: what its graphs read changed on 3 calls in a row"):
+        for step in range(8):
+            x = torch.randn(2, 3)
+            for model in (eager, graphed):
+                model.temperature = torch.tensor(1.0 + step)
+                model(x).sum().backward()
+    state = ng.graphed_state(graphed)
+    assert state.stats[next(iter(state.stats))].captures == 3 and state.report()["replays"] == 2
+    assert sum(state.report()["eager_calls"].values()) == 6
+    assert all(torch.equal(a.grad, b.grad) for a, b in zip(eager.parameters(), graphed.parameters()))

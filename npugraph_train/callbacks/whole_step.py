@@ -34,6 +34,7 @@ from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 from ..config import NPUGraphConfig
 from ..graphed import Graph, GraphCaptureError, graph
 from ..graphed.backends import Backend
+from ..graphed.callables import RECAPTURES_BEFORE_EAGER
 from ..graphed.captured import recording_assignments
 from ..graphed.signatures import static_copies
 from ..graphed.state_attributes import StateAttributes, tensors_in
@@ -48,9 +49,6 @@ from .step_checks import (BakedSetup, WatchedIndex, host_random_error, is_metric
 from .step_logs import StepLogRecorder
 from .host_state import HostState
 from .step_setup import callbacks_inside_step, check_schedulers
-
-# Recaptures in a row, each after at most one replay, after which the step runs eager for the rest of the fit.
-UNSETTLED_AFTER = 3
 
 # The LightningModule method that maps a batch to the cpu_update_input of its graphs (auto_dispatch_capture).
 UPDATE_HOOK = "npugraph_update_input"
@@ -341,7 +339,7 @@ class WholeStepGrapher:
     def drop_for_recapture(self, kind: str, reason: str) -> None:
         replayed = self.replays - self.captures[-1]["first_replay"] if self.captures else 0
         self._changed_in_a_row = self._changed_in_a_row + 1 if replayed <= 1 else 1
-        if self._changed_in_a_row >= UNSETTLED_AFTER:
+        if self._changed_in_a_row >= RECAPTURES_BEFORE_EAGER:
             # A capture costs many steps' time: capturing again on every step is slower than eager.
             self.unsettled = (f"{reason} on {self._changed_in_a_row} steps in a row, so the step runs eager for the "
                               "rest of this fit (keep the setup constant between steps, e.g. register hooks once, "

@@ -60,6 +60,8 @@ from .user_code import warn_at_user_code
 MODULE_HOOK_KINDS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
 GLOBAL_HOOK_KINDS = tuple(f"_global{kind}" for kind in MODULE_HOOK_KINDS)
 _MODE_DIFFERS = "train/eval mode differs from capture (validation and test run eager by design)"
+# Recaptures in a row, each after at most one replay, after which a callable (or whole_step's step) runs eager.
+RECAPTURES_BEFORE_EAGER = 3
 
 
 _requires_grad = operator.attrgetter("requires_grad")
@@ -177,6 +179,8 @@ class GraphedCallable:
         self.eager_calls: Counter = Counter()
         self._released = False
         self._warned: set = set()  # kinds of eager reasons and recaptures warned about
+        self._dropped_in_a_row = 0  # see _drop_signatures
+        self.unsettled: Optional[str] = None  # why its calls run eager for good, if they do
 
     def grad_buffer(self, param: torch.Tensor) -> torch.Tensor:
         """The buffer, outside every graph pool, that this callable's backward graphs leave ``param``'s gradient
@@ -261,6 +265,8 @@ class GraphedCallable:
                 return self._eager("parameters or submodule settings changed while a backward of this module was "
                                    "pending", args, kwargs)
             self._drop_signatures_for(flags, settings, gained)
+        if self.unsettled is not None:
+            return self._eager(self.unsettled, args, kwargs, kind="unsettled")
         key = signature(spec, flat, self.backend, self.param_flags)
         sig = self.signatures.get(key)
         if sig is None:
@@ -379,6 +385,14 @@ class GraphedCallable:
 
     def _drop_signatures(self, what: str) -> None:
         self._warn_recapture(what)
+        # A capture costs several calls' time: graphs dropped again right after their first replay, call after
+        # call (a tensor rebound or a setting changed every step), are slower than eager.
+        settled = any(sig.replays > 1 for sig in self.signatures.values())
+        self._dropped_in_a_row = 1 if settled else self._dropped_in_a_row + 1
+        if self._dropped_in_a_row >= RECAPTURES_BEFORE_EAGER:
+            self.unsettled = (f"what its graphs read changed on {self._dropped_in_a_row} calls in a row (the last "
+                              f"time: {what}), so it runs eager from now on. Keep what the graphs read constant "
+                              "between calls (fill tensors in place, set settings once) to graph it")
         for sig in self.signatures.values():
             sig.release()
         self.signatures.clear()
