@@ -211,7 +211,7 @@ class GraphedCallable:
         slots = {(id(holder), key): (name, holder, key) for name, holder, key in self._buffer_slots}
         slots.update(((id(holder), key), (name, holder, key)) for sig in self.signatures.values()
                      for name, holder, key, _ in sig.read_bindings)
-        watched = [slot for where, slot in slots.items() if where not in written]
+        watched = [slot for place, slot in slots.items() if place not in written]
         self._bound_labels, self._bound_dicts, self._bound_names = (
             (list(z) for z in zip(*watched)) if watched else ([], [], []))
         self._bound_seen = self._bound_now()
