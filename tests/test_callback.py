@@ -689,3 +689,53 @@ def test_a_tensor_attribute_of_a_graphed_block_rebound_captures_again():
         graphed = run([callback])
     assert _same_params(eager, graphed)
     assert callback.report()[0]["signatures"][0]["captures"] == 2
+
+
+class OwnAutocast(Regressor):
+    """Runs its blocks under an autocast state of its own: bf16 in a float32 fit, or none in a bf16-mixed one."""
+
+    def forward(self, x):
+        h = self.embed(x).float()
+        enabled = self.trainer.precision == "32-true"
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=enabled, cache_enabled=False):
+            for block in self.blocks:
+                h = block(h)
+        return self.head(h.float())
+
+
+@pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
+def test_blocks_are_captured_in_the_autocast_state_they_are_called_in(precision):
+    def run(callbacks):
+        torch.manual_seed(0)
+        model = OwnAutocast()
+        trainer(callbacks, max_steps=12, precision=precision).fit(model, *loaders())
+        return model
+
+    eager = run([])
+    callback = NPUGraphCallback(warmup_steps=2)
+    graphed = run([callback])
+    assert _same_params(eager, graphed)
+    assert all(row["replays"] == 9 for row in callback.report()), callback.report()  # one short batch
+
+
+def test_a_failed_capture_under_bf16_mixed_leaves_the_other_blocks_graphed():
+    # The precision plugin's forward context is entered again for the capture that follows a failed one.
+    class ReadsHost(Regressor):
+        def __init__(self):
+            super().__init__()
+            block = self.blocks[1]
+            block.forward = lambda x: x * float(x.abs().max() > 0)
+
+    def run(callbacks):
+        torch.manual_seed(0)
+        model = ReadsHost()
+        trainer(callbacks, max_steps=8, precision="bf16-mixed").fit(model, *loaders())
+        return model
+
+    eager = run([])
+    callback = NPUGraphCallback(warmup_steps=2, on_failure="eager")
+    with pytest.warns(UserWarning, match="blocks.1 capture failed, runs eager"):
+        graphed = run([callback])
+    rows = {row["module"]: row for row in callback.report()}
+    assert rows["blocks.0"]["replays"] == 6 and rows["blocks.1"]["status"].startswith("capture failed")
+    assert _same_params(eager, graphed)

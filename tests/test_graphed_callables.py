@@ -1519,3 +1519,10 @@ def test_graphs_dropped_on_every_call_give_way_to_eager():
     assert state.stats[next(iter(state.stats))].captures == 3 and state.report()["replays"] == 2
     assert sum(state.report()["eager_calls"].values()) == 6
     assert all(torch.equal(a.grad, b.grad) for a, b in zip(eager.parameters(), graphed.parameters()))
+
+
+def test_a_call_under_another_autocast_state_says_so():
+    graphed = ng.make_graphed_callables(nn.Linear(3, 3), (torch.randn(2, 3),), names=["proj"])
+    with pytest.warns(RuntimeWarning, match="proj ran eager: .* only in its autocast state"):
+        with torch.autocast("cpu", dtype=torch.bfloat16, cache_enabled=False):
+            graphed(torch.randn(2, 3)).float().sum().backward()

@@ -174,7 +174,7 @@ class NPUGraphCallback(Callback):
             return
         if self._step >= self.config.warmup_steps - 1 and not self._grapher.captured:
             self._grapher.record_or_capture(batch, self._step >= self.config.warmup_steps,
-                                            trainer.precision_plugin.forward_context())
+                                            trainer.precision_plugin.forward_context)
         if self._step >= self.config.warmup_steps and self.config.auto_dispatch_capture:
             self._grapher.update(getattr(pl_module, UPDATE_HOOK)(batch))
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import fnmatch
 from collections import Counter
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Callable, ContextManager, Dict, List, Optional, Tuple
 
 import torch
 import torch.nn as nn
@@ -70,6 +70,7 @@ class SubmoduleGrapher:
         self.status: Dict[str, str] = {}
         self.captured = False
         self._samples: Dict[str, Tuple[tuple, dict]] = {}
+        self._autocast: Dict[str, Tuple[bool, torch.dtype]] = {}  # the autocast state each recorded call ran in
         self._order: List[str] = []
         self._recorded_key: Optional[BatchKey] = None
         self._recording_complete = False  # the recording step reached on_train_batch_end (not skipped)
@@ -88,7 +89,7 @@ class SubmoduleGrapher:
                            "eager. Mark capture-safe submodules with @npugraph_train.graph_safe.")
 
     # recording -----------------------------------------------------------------------------------
-    def record_or_capture(self, batch: Any, warmed_up: bool, forward_context: Any) -> None:
+    def record_or_capture(self, batch: Any, warmed_up: bool, forward_context: Callable[[], ContextManager]) -> None:
         """At the start of a step: capture what the previous step recorded if this batch is shaped like
         that step's (see :mod:`.batch`), else record this step's inputs."""
         key = key_of(batch, values=False)  # the graphs see module inputs, not the batch's ids or names
@@ -121,6 +122,7 @@ class SubmoduleGrapher:
                 if name in self._samples:
                     self._order.remove(name)
                 self._samples[name] = _samples(args, kwargs)
+                self._autocast[name] = self.backend.autocast_state()
                 self._order.append(name)
                 with_grad[name] = grad
             self._hooks.append(module.register_forward_pre_hook(record, with_kwargs=True))
@@ -134,19 +136,31 @@ class SubmoduleGrapher:
         self._hooks = []
 
     # capture -------------------------------------------------------------------------------------
-    def capture(self, forward_context: Any) -> None:
-        """Capture every recorded module, in call order, into one pool, under ``forward_context``."""
+    def capture(self, forward_context: Callable[[], ContextManager]) -> None:
+        """Capture every recorded module, in call order, under ``forward_context`` and the autocast state it was
+        called in (the precision plugin's, or the user's own autocast around it): modules called under the same
+        state share a pool."""
         self.captured = True
-        modules = dict(self.modules)
-        for name in modules:
+        for name in dict(self.modules):
             if name not in self._samples:
                 self._fail(name, "not called during the recording step (runs eager)")
-        pending = [name for name in self._order]
+        groups: Dict[Tuple[bool, torch.dtype], List[str]] = {}
+        for name in self._order:
+            groups.setdefault(self._autocast[name], []).append(name)
+        for state, names in groups.items():
+            self._capture_group(names, forward_context, state)
+        self._samples, self._autocast = {}, {}
+
+    def _capture_group(self, pending: List[str], forward_context: Callable[[], ContextManager],
+                       autocast: Tuple[bool, torch.dtype]) -> None:
+        modules = dict(self.modules)
         while pending:
             opts = [merge_options(GraphSafeOptions(self.config.max_signatures, self.config.num_warmup_iters, False),
                                   modules[name]) for name in pending]
             try:
-                with torch.enable_grad(), forward_context:
+                # The plugin's context (a dtype for "-true" precisions), then the autocast state of the calls.
+                with torch.enable_grad(), forward_context(), torch.autocast(
+                        self.backend.device_type, enabled=autocast[0], dtype=autocast[1], cache_enabled=False):
                     make_graphed_callables(
                         tuple(modules[name] for name in pending),
                         tuple(self._samples[name][0] for name in pending),
@@ -167,7 +181,6 @@ class SubmoduleGrapher:
             for name in pending:
                 self.status[name] = "graphed"
             break
-        self._samples = {}
 
     def update(self, cpu_update_input: Any) -> None:
         """Hand each graphed module its update for the coming step (a list for all, or per module name)."""

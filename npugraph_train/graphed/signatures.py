@@ -137,6 +137,9 @@ def difference_hint(key: Signature, captured: Iterable[Signature]) -> str:
     if any(without(_LAYOUT, key) == without(_LAYOUT, other) for other in captured):
         return ("; it differs from a captured one only in memory layout (strides): pass inputs laid out as at "
                 "capture (e.g. .contiguous())")
+    if any(key._replace(autocast=other.autocast) == other for other in captured):
+        return ("; it differs from a captured one only in its autocast state (calls under another torch.autocast, "
+                "or outside it): call it as at capture, or allow one more signature (max_signatures)")
     if any(key._replace(aliases=()) == other._replace(aliases=()) for other in captured):
         return ("; it differs from a captured one only in which arguments are one tensor (pass the same tensor "
                 "objects in the same places as at capture)")
