@@ -327,6 +327,10 @@ class TestConfig:
         node = {"_target_": "npugraph_train.NPUGraphCallback", "_partial_": False, "_recursive_": False,
                 "_convert_": "all", "mode": "off"}
         assert NPUGraphCallback.from_config(node).config.mode == "off"
+        overridden = NPUGraphCallback.from_config(node, warmup_steps=7, mode="whole_step").config
+        assert (overridden.mode, overridden.warmup_steps) == ("whole_step", 7)
+        with pytest.raises(MisconfigurationException, match=r"unknown settings 'warmpu_steps'"):
+            NPUGraphCallback.from_config(node, warmpu_steps=7)
 
     def test_hydra_target_with_a_typo_names_the_valid_settings(self):
         from hydra.utils import instantiate

@@ -1526,3 +1526,21 @@ def test_a_call_under_another_autocast_state_says_so():
     with pytest.warns(RuntimeWarning, match="proj ran eager: .* only in its autocast state"):
         with torch.autocast("cpu", dtype=torch.bfloat16, cache_enabled=False):
             graphed(torch.randn(2, 3)).float().sum().backward()
+
+
+def test_signatures_name_their_keyword_arguments():
+    class Masked(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(3, 3)
+
+        def forward(self, x, mask=None, bias=None):
+            out = self.lin(x)
+            return out.masked_fill(mask, 0.0) if mask is not None else out
+
+    x, mask = torch.randn(2, 3), torch.zeros(2, 3, dtype=torch.bool)
+    graphed = ng.make_graphed_callables(Masked(), (x,), sample_kwargs={"mask": mask, "bias": None}, names=["m"])
+    assert ng.graphed_state(graphed).report()["signatures"][0]["description"] == (
+        "(float32[2, 3], bias=None, mask=bool[2, 3])")
+    with pytest.warns(RuntimeWarning, match=r"signature \(float32\[2, 3\], bias=None, mask=None\) not captured"):
+        graphed(x, mask=None).sum().backward()

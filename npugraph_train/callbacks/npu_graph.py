@@ -81,9 +81,10 @@ class NPUGraphCallback(Callback):
         self._undo_monitors: Callable[[], None] = _nothing
 
     @classmethod
-    def from_config(cls, cfg: Union[NPUGraphConfig, Mapping[str, Any], Any]) -> "NPUGraphCallback":
-        """Build from an :class:`NPUGraphConfig`, a dict or an OmegaConf ``DictConfig`` (validated)."""
-        return cls(**vars(NPUGraphConfig.create(cfg)))
+    def from_config(cls, cfg: Union[NPUGraphConfig, Mapping[str, Any], Any], **overrides: Any) -> "NPUGraphCallback":
+        """Build from an :class:`NPUGraphConfig`, a dict or an OmegaConf ``DictConfig``, with keyword overrides
+        (validated): ``NPUGraphCallback.from_config(cfg.graphs, warmup_steps=5)``."""
+        return cls(**vars(NPUGraphConfig.create(cfg, **overrides)))
 
     # state_key is Lightning's default, the class name: one callback per Trainer, so a checkpoint resumes under
     # other settings (another mode) without Lightning's "Please add the following callbacks" warning.

@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Any, Dict, Iterable, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
-from torch.utils._pytree import tree_flatten
+from torch.utils._pytree import TreeSpec, tree_flatten
 
 from .backends import Backend
 
@@ -108,16 +108,27 @@ def static_copies(flat: Sequence[Any]) -> List[Any]:
     return [copies[id(t)] if isinstance(t, torch.Tensor) else t for t in flat]
 
 
+def _keyword_labels(spec: Any) -> List[str]:
+    """Per leaf of a call's (args, kwargs) spec: "name=" for the leaves of keyword arguments, else ""."""
+    if not isinstance(spec, TreeSpec) or spec.num_children != 2:
+        return []  # the token of a call with positional tensors only
+    positional, keywords = spec.children()
+    return [""] * positional.num_leaves + [f"{name}=" for name, child in zip(keywords.context, keywords.children())
+                                           for _ in range(child.num_leaves)]
+
+
 def describe_signature(signature: Signature) -> str:
     parts = []
-    for leaf in signature.leaves:
+    labels = _keyword_labels(signature.spec)
+    for index, leaf in enumerate(signature.leaves):
+        label = labels[index] if index < len(labels) else ""
         if leaf[0] == "constant":
-            parts.append(repr(leaf[1]))
+            parts.append(label + repr(leaf[1]))
         elif leaf[0] == "non-tensor":
-            parts.append(leaf[1])
+            parts.append(label + leaf[1])
         else:
             shape, dtype, _, requires_grad, layout = leaf  # a tensor's (see _leaf_signature)
-            parts.append(f"{str(dtype).replace('torch.', '')}{list(shape)}{'*' if requires_grad else ''}"
+            parts.append(f"{label}{str(dtype).replace('torch.', '')}{list(shape)}{'*' if requires_grad else ''}"
                          + (f" strides {list(layout)}" if layout else ""))
     enabled, dtype = signature.autocast
     frozen = signature.param_flags.count(False)
