@@ -1542,5 +1542,5 @@ def test_signatures_name_their_keyword_arguments():
     graphed = ng.make_graphed_callables(Masked(), (x,), sample_kwargs={"mask": mask, "bias": None}, names=["m"])
     assert ng.graphed_state(graphed).report()["signatures"][0]["description"] == (
         "(float32[2, 3], bias=None, mask=bool[2, 3])")
-    with pytest.warns(RuntimeWarning, match=r"signature \(float32\[2, 3\], bias=None, mask=None\) not captured"):
+    with pytest.warns(RuntimeWarning, match=r"signature \(float32\[2, 3\], mask=None\) not captured"):
         graphed(x, mask=None).sum().backward()
