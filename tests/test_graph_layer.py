@@ -137,6 +137,19 @@ def test_random_ops_draw_fresh_numbers_and_capture_draws_none():
     assert torch.equal(torch.rand(16), first), "the first replay draws what eager code would have drawn"
 
 
+def test_an_explicit_generator_is_rewound_at_capture_end_and_drawn_from_by_replays():
+    gen = torch.Generator().manual_seed(3)
+    state = gen.get_state()
+    g = ng.Graph()
+    with ng.graph(g):
+        r = torch.rand(16, generator=gen)
+    assert torch.equal(gen.get_state(), state), "capture draws nothing from it"
+    g.replay()
+    first = r.clone()
+    g.replay()
+    assert not torch.equal(first, r)
+    assert torch.equal(torch.rand(16, generator=torch.Generator().manual_seed(3)), first)
+
 
 def test_rng_state_reads_during_capture_are_refused_as_on_cuda():
     from torch.utils.checkpoint import checkpoint

@@ -1544,3 +1544,26 @@ def test_signatures_name_their_keyword_arguments():
         "(float32[2, 3], bias=None, mask=bool[2, 3])")
     with pytest.warns(RuntimeWarning, match=r"signature \(float32\[2, 3\], mask=None\) not captured"):
         graphed(x, mask=None).sum().backward()
+
+
+def test_a_module_drawing_from_its_own_generator_matches_eager():
+    # Warmup draws from it and capture does on the emulator: both are undone, as for torch's default generator.
+    class Noisy(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(3, 3)
+            self.gen = torch.Generator().manual_seed(0)
+
+        def forward(self, x):
+            return self.lin(x) * torch.rand(x.shape, generator=self.gen)
+
+    torch.manual_seed(0)
+    eager = Noisy()
+    graphed = ng.make_graphed_callables(copy.deepcopy(eager), (torch.randn(2, 3),))
+    for _ in range(3):
+        x = torch.randn(2, 3)
+        a, b = eager(x), graphed(x)
+        a.sum().backward()
+        b.sum().backward()
+        assert torch.equal(a, b)
+    assert ng.graphed_state(graphed).report()["replays"] == 3

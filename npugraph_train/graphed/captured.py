@@ -538,6 +538,9 @@ def capture_signatures(sigs: Sequence[CapturedSignature], key_of: Dict[int, Sign
     reads = StorageReads()
     attributes: Dict[int, StateAttributes] = {}
     cpu_rng, device_rng = torch.get_rng_state(), backend.get_rng_state()
+    # Generators of their own (torch.rand(..., generator=self.gen)): warmup draws from them too.
+    own_generators = [(g, g.get_state()) for g in {id(v): v for m in modules for v in vars(m).values()
+                                                  if type(v) is torch.Generator}.values()]
     host_random = HostRandom((f"{o.name}.{path}" if path else o.name, vars(m)) for o in owners if o.is_module
                              for path, m in o.func.named_modules())
     seconds = {id(sig): 0.0 for sig in sigs}
@@ -554,6 +557,8 @@ def capture_signatures(sigs: Sequence[CapturedSignature], key_of: Dict[int, Sign
         torch.set_rng_state(cpu_rng)
         if device_rng is not None:
             backend.set_rng_state(device_rng)
+        for generator, state in own_generators:
+            generator.set_state(state)
         host_random.restore()
 
     def timed(sig: CapturedSignature, phase: Callable[[], None]) -> None:

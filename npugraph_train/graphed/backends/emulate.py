@@ -17,8 +17,9 @@ What it models, as a device graph behaves:
   created by the capture (and ``out=`` tensors it resized) are filled with NaN (reading an output before
   the first replay shows up),
   and torch's CPU RNG state is restored (capture draws no random numbers).
-- Random ops draw new numbers on every replay, from torch's CPU generator. Reading or setting that
-  generator's state during capture (``torch.get_rng_state``, ``set_rng_state``, ``fork_rng``,
+- Random ops draw new numbers on every replay, from torch's CPU generator or the explicit ``torch.Generator``
+  they are given (rewound at ``capture_end`` like the default one: torch_npu registers generators with the
+  graph). Reading or setting the default generator's state during capture (``torch.get_rng_state``, ``set_rng_state``, ``fork_rng``,
   ``manual_seed``, ``seed``; activation checkpointing reads it unless ``preserve_rng_state=False``) raises
   ``GraphCaptureError``, as CUDA's "Cannot call CUDAGeneratorImpl::current_seed during CUDA graph
   capture" does.
@@ -45,7 +46,7 @@ sharing between graphs of one pool (each capture keeps its own tensors alive), c
 threads (``capture_error_mode`` is validated but other threads are not watched), ``.to("cpu")`` (a
 no-op on CPU tensors, a device-to-host copy on a device), device-specific kernel
 limits (aclop-only ops, dynamic-shape kernels, stream budgets) and numerical differences between
-device kernels. Explicit ``torch.Generator`` objects are not rewound at ``capture_end``. A 0-dim CPU tensor
+device kernels. A 0-dim CPU tensor
 used as an operand is read again by each replay, where a device kernel keeps its capture-time value. Code
 compiled with ``torch.compile`` runs eager inside a capture, so the verdict is about the eager code. Fused
 fast paths that step aside for torch-function modes (``nn.MultiheadAttention`` and
@@ -365,6 +366,7 @@ class EmulatedGraph:
         self._born: set = set()
         self._saved: dict = {}  # storage key -> (storage, copy of its contents before capture)
         self._rng_state = torch.get_rng_state()
+        self._generators: Dict[int, Tuple[torch.Generator, torch.Tensor]] = {}  # explicit ones: state at first use
         _local.capture_stream = _current_stream()
         self._modes = (_Recorder(self), _HostReadGuard(), _rng_state_guard())
         for mode in self._modes:
@@ -389,13 +391,20 @@ class EmulatedGraph:
                     if t.is_floating_point() or t.is_complex():
                         t.untyped_storage().fill_(0xFF)  # all-ones bytes are NaN in every float format
         torch.set_rng_state(self._rng_state)
-        self._saved = {}
-        self._born = set()
+        for generator, state in self._generators.values():
+            generator.set_state(state)
+        self._saved, self._born, self._generators = {}, set(), {}
 
     def _before_op(self, func: Any, args: tuple, kwargs: dict) -> None:
         # Snapshot tensors from before the capture that this op writes, so capture_end can undo it.
         schema_args = func._schema.arguments
         values = list(args) + [kwargs.get(a.name) for a in schema_args[len(args):]]
+        for value in values:
+            # An explicit generator (torch.rand(..., generator=g)) is rewound at capture_end as the default one
+            # is: torch_npu registers generators with the graph, whose draws advance them on replay only.
+            if isinstance(value, torch.Generator) and id(value) not in self._generators:
+                with _disable_current_modes():
+                    self._generators[id(value)] = (value, value.get_state())
         hidden = _UNANNOTATED_WRITES.get(func, ())
         for index, (arg, value) in enumerate(zip(schema_args, values)):
             if index not in hidden and (arg.alias_info is None or not arg.alias_info.is_write):
