@@ -581,3 +581,11 @@ def test_warnings_at_user_code_run_from_python_c():
     code = "from npugraph_train.graphed.user_code import warn_at_user_code; warn_at_user_code('at the user line')"
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0 and "<string>:1: RuntimeWarning: at the user line" in done.stderr, done.stderr
+
+
+def test_cuda_refusing_an_unregistered_generator_is_explained():
+    from npugraph_train.graphed.graphs import _as_capture_error
+
+    error = _as_capture_error(RuntimeError("Attempt to increase offset for a CUDA generator not in capture mode."))
+    assert isinstance(error, GraphCaptureError)
+    assert "torch.Generator of your own" in str(error) and "leave generator= out" in str(error)

@@ -226,6 +226,12 @@ class graph:
 def _as_capture_error(exc: BaseException) -> BaseException:
     if isinstance(exc, (GraphCaptureError, GraphStateError)) or not isinstance(exc, RuntimeError):
         return exc
+    if "generator not in capture mode" in str(exc):  # CUDA's words for an unregistered torch.Generator
+        return GraphCaptureError(
+            f"graph capture failed: {exc}. An op drew from a torch.Generator of your own (generator=...), which a "
+            "CUDA graph draws from only when it is registered with it (CUDAGraph.register_generator_state), and "
+            "npugraph_train registers none; draw from the default generator (leave generator= out), or keep this "
+            "code outside the graph")
     return GraphCaptureError(
         f"graph capture failed: {exc}. Common causes: host syncs (.item(), printing tensors), ops on the "
         "CPU or another device, capturing on the default stream, shapes or control flow that depend on "
