@@ -1438,7 +1438,8 @@ class TestModuleState:
     def test_weights_recomputed_by_hooks_of_the_module_itself_are_refused(self):
         import torch.nn.utils.prune as prune
         model = prune.l1_unstructured(nn.Linear(4, 4), "weight", amount=0.5)
-        with pytest.raises(ng.GraphCaptureError, match="Linear has module hooks"):
+        with pytest.raises(ng.GraphCaptureError, match=r"Linear recomputes weight in a forward pre-hook on every "
+                                                        r"call .* Make it permanent first \(prune.remove"):
             ng.make_graphed_callables(model, (torch.zeros(3, 4),))
 
 
@@ -1567,3 +1568,21 @@ def test_a_module_drawing_from_its_own_generator_matches_eager():
         b.sum().backward()
         assert torch.equal(a, b)
     assert ng.graphed_state(graphed).report()["replays"] == 3
+
+
+def test_a_new_signature_inside_non_reentrant_checkpointing_runs_eager():
+    # Captured there, the call would save other tensors than the checkpoint's (eager) recompute: CheckpointError.
+    from torch.utils.checkpoint import checkpoint
+
+    torch.manual_seed(0)
+    eager = nn.Linear(4, 4)
+    graphed = ng.make_graphed_callables(copy.deepcopy(eager), (torch.randn(2, 4, requires_grad=True),),
+                                        max_signatures=2, names=["lin"])
+    with pytest.warns(RuntimeWarning, match="lin ran eager: new signature met inside activation checkpointing"):
+        for _ in range(2):
+            x = torch.randn(3, 4, requires_grad=True)
+            for model in (eager, graphed):
+                checkpoint(model, x, use_reentrant=False).sum().backward()
+    assert all(torch.equal(a.grad, b.grad) for a, b in zip(eager.parameters(), graphed.parameters()))
+    graphed(torch.randn(3, 4, requires_grad=True)).sum().backward()  # outside checkpointing: captured
+    assert len(ng.graphed_state(graphed).signatures) == 2

@@ -49,7 +49,7 @@ from torch.utils._pytree import tree_flatten
 from torch.utils.hooks import RemovableHandle
 
 from .backends import CAPTURE_ERROR_MODES, Backend, get_backend
-from .captured import CapturedSignature, SignatureStats, batch_ids, capture_signatures
+from .captured import CapturedSignature, SignatureStats, batch_ids, capture_signatures, in_checkpoint_forward
 from .errors import GraphCaptureError, GraphStateError
 from .signatures import (Signature, describe_signature, difference_hint, flatten_call, is_constant, serves, signature,
                          static_copies, within)
@@ -364,6 +364,12 @@ class GraphedCallable:
             return "non-tensor", f"non-tensor argument in {describe_signature(key)}"
         if self.backend.is_current_stream_capturing():
             return "nested", "new signature met during another capture"
+        if in_checkpoint_forward() or torch._C._current_graph_task_id() != -1:
+            # A capture there would save other tensors than the checkpoint's recompute (which runs eager), or
+            # capture during a backward.
+            return "checkpoint", ("new signature met inside activation checkpointing (torch.utils.checkpoint with "
+                                  "use_reentrant=False, or its recompute during backward); it runs eager there. A "
+                                  "call of it outside checkpointing (or in the callback's recording step) captures it")
         if torch.is_inference_mode_enabled():
             # Its static buffers would be inference tensors, which later training calls cannot write.
             return "inference", "new signature met under inference_mode (captured in training or no_grad calls only)"
@@ -518,12 +524,18 @@ def _check_callable(func: Callable, name: str, args: tuple, kwargs: Dict[str, An
                              "graph cannot capture; use sparse=False, or leave this module eager")
             # The module's own hooks run around the graphed forward on every call; its submodules' would not,
             # nor would its own that recompute a weight (prune, weight_norm): the graph reads the captured one.
-            hooks = [kind for kind in MODULE_HOOK_KINDS if (sub_name or recomputed_by_hooks(sub))
-                     and getattr(sub, kind, None)]
+            recomputed = recomputed_by_hooks(sub)
+            if not sub_name and recomputed:
+                raise refuse(f"{where} recomputes {', '.join(sorted(recomputed))} in a forward pre-hook on every call "
+                             "(torch.nn.utils.prune, weight_norm, spectral_norm), as a new tensor that its graphs "
+                             "would not read (they read the one computed at capture). Make it permanent first "
+                             "(prune.remove, remove_weight_norm), use torch.nn.utils.parametrize (computed inside the "
+                             "forward), graph the module around it, or leave it eager")
+            hooks = [kind for kind in MODULE_HOOK_KINDS if sub_name and getattr(sub, kind, None)]
             if hooks:
-                raise refuse(f"{where} has module hooks ({', '.join(h.strip('_') for h in hooks)}); hooks run "
-                             "once at capture and never on replay. Remove them before graphing, or leave this "
-                             "module eager")
+                raise refuse(f"{where} has module hooks ({', '.join(h.strip('_') for h in hooks)}); hooks of a "
+                             "graphed module's submodules run once at capture and never on replay. Remove them "
+                             "before graphing, or leave this module eager")
         for buf_name, buf in func.named_buffers():
             if buf.requires_grad:
                 raise refuse(f"{name}: buffer {buf_name!r} requires grad; graphed modules need buffers with "
