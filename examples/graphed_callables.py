@@ -20,9 +20,9 @@ import npugraph_train.graphed as ng
 
 
 def run(graphed: bool, N: int = 640, D_in: int = 4096, H: int = 2048, D_out: int = 1024, iters: int = 10,
-        seed: int = 0) -> Tuple[List[float], List[float], List[str]]:
-    """Train ``iters`` iterations; returns the losses, the parameter sums of the three modules and the branch
-    each iteration took."""
+        seed: int = 0) -> Tuple[List[float], List[torch.Tensor], List[str]]:
+    """Train ``iters`` iterations; returns the losses, the parameters of the three modules (copies) and the
+    branch each iteration took."""
     device = ng.get_backend().device_type
     torch.manual_seed(seed)
     module1 = torch.nn.Linear(D_in, H).to(device)
@@ -57,8 +57,8 @@ def run(graphed: bool, N: int = 640, D_in: int = 4096, H: int = 2048, D_out: int
         loss.backward()                       # backward ops of module2/3 and module1 run as graphs
         optimizer.step()
         losses.append(loss.item())
-    sums = [sum(p.sum().item() for p in m.parameters()) for m in (module1, module2, module3)]
-    return losses, sums, branches
+    params = [p.detach().clone() for m in (module1, module2, module3) for p in m.parameters()]
+    return losses, params, branches
 
 
 def main() -> None:
@@ -68,16 +68,18 @@ def main() -> None:
     args = parser.parse_args()
     sizes = dict(N=16, D_in=32, H=24, D_out=8) if args.small else {}
     print(f"backend: {ng.current_backend()}, {'eager' if args.eager else 'graphed'}")
-    result = run(not args.eager, **sizes)
-    losses, sums, branches = result
+    losses, params, branches = run(not args.eager, **sizes)
     for i, (loss, branch) in enumerate(zip(losses, branches)):
         print(f"iter {i}: {branch}, loss {loss:.6f}")
+    sums = [float(w.sum() + b.sum()) for w, b in zip(params[::2], params[1::2])]  # (weight, bias) per module
     print("parameter sums: " + ", ".join(f"module{i + 1} {s:.6f}" for i, s in enumerate(sums)))
     print(f"branches: module2 {branches.count('module2')}x, module3 {branches.count('module3')}x")
     if not args.eager:
-        eager = run(False, **sizes)
-        print(f"graphed vs eager (same seed and data): losses, parameter sums and branches "
-              f"{'bitwise equal' if result == eager else 'differ'}")
+        eager_losses, eager_params, eager_branches = run(False, **sizes)
+        same = (losses == eager_losses and branches == eager_branches
+                and all(map(torch.equal, params, eager_params)))
+        print(f"graphed vs eager (same seed and data): losses, parameters and branches "
+              f"{'bitwise equal' if same else 'differ'}")
 
 
 if __name__ == "__main__":

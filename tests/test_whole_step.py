@@ -1508,3 +1508,37 @@ def test_a_frozen_parameter_keeping_its_grad_moves_as_in_eager(step):
     eager = run([])
     graphed = run([NPUGraphCallback(mode="whole_step")])
     assert _same(eager, graphed)
+
+
+class ShiftedViews(Scheduled):
+    """A language-model batch: input and target are views of one sequence tensor, which the step scales in place."""
+
+    def training_step(self, batch, batch_idx):
+        batch["seq"].mul_(0.5)
+        return nn.functional.mse_loss(self(batch["inp"]), batch["tgt"][:, :1])
+
+
+def _views_loader():
+    seq = torch.randn(40, 5, generator=torch.Generator().manual_seed(0))
+
+    def collate(rows):
+        s = torch.stack(rows)
+        return {"seq": s, "inp": s[:, :4], "tgt": s[:, 1:]}
+
+    return torch.utils.data.DataLoader(list(seq), batch_size=8, collate_fn=collate)
+
+
+def test_a_batch_tensor_written_in_place_that_other_entries_view_is_refused():
+    def run(callbacks):
+        torch.manual_seed(0)
+        model = ShiftedViews()
+        trainer(callbacks, max_steps=8, val_check_interval=None, limit_val_batches=0).fit(model, _views_loader())
+        return model
+
+    with pytest.raises(ngt.GraphCaptureError, match=r"training_step writes batch\['seq'\] in place, and "
+                                                    r"batch\['inp'\] shares its memory"):
+        run([NPUGraphCallback(mode="whole_step")])
+    eager = run([])
+    with pytest.warns(UserWarning, match="capture failed, runs eager: training_step writes batch"):
+        graphed = run([NPUGraphCallback(mode="whole_step", on_failure="eager")])
+    assert _same(eager, graphed)

@@ -29,7 +29,7 @@ from lightning.pytorch.core.optimizer import _MockOptimizer
 from lightning.pytorch.loops.optimization.automatic import _AutomaticOptimization
 from lightning.pytorch.utilities import rank_zero_warn
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
-from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
+from torch.utils._pytree import keystr, tree_flatten, tree_flatten_with_path, tree_map, tree_unflatten
 
 from ..config import NPUGraphConfig
 from ..graphed import Graph, GraphCaptureError, graph
@@ -37,7 +37,7 @@ from ..graphed.backends import Backend
 from ..graphed.callables import RECAPTURES_BEFORE_EAGER
 from ..graphed.captured import recording_assignments
 from ..graphed.signatures import static_copies
-from ..graphed.state_attributes import StateAttributes, tensors_in
+from ..graphed.state_attributes import StateAttributes, storage_address, tensors_in
 from ..graphed.user_code import warn_at_user_code
 from ..optim import check_capture_safe, clip_grad_norm_, make_capturable, unwrap
 from .batch import (MAX_CAPTURE_DELAY, VALUES_DIFFER, BatchKey, batch_key, describe, ready_to_capture,
@@ -52,6 +52,25 @@ from .step_setup import callbacks_inside_step, check_schedulers
 
 # The LightningModule method that maps a batch to the cpu_update_input of its graphs (auto_dispatch_capture).
 UPDATE_HOOK = "npugraph_update_input"
+
+def _shared_batch_written(batch: Any, written: List[int]) -> Optional[GraphCaptureError]:
+    """The refusal of a step that writes a batch tensor in place which other batch entries share memory with
+    (views of one tensor: ``inp, tgt = seq[:, :-1], seq[:, 1:]``), if it does: the graph's copies of the batch
+    are separate tensors, which would not see each other's writes."""
+    paths, leaves = zip(*tree_flatten_with_path(batch)[0]) if written else ((), ())
+    addresses = [storage_address(t) if isinstance(t, torch.Tensor) else None for t in leaves]
+    for i in written:
+        shared = next((j for j, address in enumerate(addresses) if address is not None and address == addresses[i]
+                       and leaves[j] is not leaves[i]), None)
+        if shared is not None:
+            name, other = f"batch{keystr(paths[i])}", f"batch{keystr(paths[shared])}"
+            return GraphCaptureError(
+                f"training_step writes {name} in place, and {other} shares its memory (views of one tensor, e.g. "
+                f"inp = seq[:, :-1]): the graph copies batch tensors into separate buffers, so on replayed steps "
+                f"{other} would not see the write. Write out of place ({name} = {name} * ...), or give the batch "
+                "separate tensors (.clone() in the collate function)", module_name="training_step")
+    return None
+
 
 def _layouts(leaves: List[Any]) -> List[Any]:
     return [(leaf.shape, leaf.stride()) if isinstance(leaf, torch.Tensor) else None for leaf in leaves]
@@ -197,11 +216,12 @@ class WholeStepGrapher:
         carried_failure = rebinding_error(module, carried) if failure is None and carried else None
         changed = host_state.changed()
         state_failure = python_state_error(changed)
-        failure = (failure or carried_failure or self._batch_reshaped(layouts)
-                   or host_random_error(host_state.random_draws()) or state_failure)
-        self._warn_if_batch_changed(static_kwargs["batch"], spec)
         self.written_leaves = [i for i, (leaf, version) in enumerate(zip(self.static_leaves, versions))
                                if isinstance(leaf, torch.Tensor) and leaf._version != version]
+        failure = (failure or carried_failure or self._batch_reshaped(layouts)
+                   or _shared_batch_written(kwargs["batch"], self.written_leaves)
+                   or host_random_error(host_state.random_draws()) or state_failure)
+        self._warn_if_batch_changed(static_kwargs["batch"], spec)
         # Optimizer state made inside the graph would start over on every replay (parameters trained for the
         # first time: unfrozen, or in a group added at this step): an eager step makes it, then capture.
         fresh = [p for p in opt.state if p not in had_state]

@@ -525,12 +525,14 @@ def _check_callable(func: Callable, name: str, args: tuple, kwargs: Dict[str, An
             # The module's own hooks run around the graphed forward on every call; its submodules' would not,
             # nor would its own that recompute a weight (prune, weight_norm): the graph reads the captured one.
             recomputed = recomputed_by_hooks(sub)
-            if not sub_name and recomputed:
-                raise refuse(f"{where} recomputes {', '.join(sorted(recomputed))} in a forward pre-hook on every call "
-                             "(torch.nn.utils.prune, weight_norm, spectral_norm), as a new tensor that its graphs "
-                             "would not read (they read the one computed at capture). Make it permanent first "
-                             "(prune.remove, remove_weight_norm), use torch.nn.utils.parametrize (computed inside the "
-                             "forward), graph the module around it, or leave it eager")
+            if recomputed:
+                # On the graphed module itself the hook runs on every call, but binds a new tensor the graphs do not
+                # read; on a submodule it would run once, at capture.
+                raise refuse(f"{where} recomputes {', '.join(sorted(recomputed))} in a forward pre-hook (torch.nn.utils"
+                             ".prune, weight_norm, spectral_norm), which the graphs would not follow: they read the "
+                             "tensor computed at capture. Make it permanent first (prune.remove, remove_weight_norm), "
+                             "use torch.nn.utils.parametrizations.weight_norm / spectral_norm (computed inside the "
+                             "forward, so captured), or leave this module eager")
             hooks = [kind for kind in MODULE_HOOK_KINDS if sub_name and getattr(sub, kind, None)]
             if hooks:
                 raise refuse(f"{where} has module hooks ({', '.join(h.strip('_') for h in hooks)}); hooks of a "

@@ -93,7 +93,8 @@ _HIDDEN_HOST_READS = {
     aten.linalg_eigvals: "torch.linalg.eig/eigvals compute on the host on CUDA",
     aten.cholesky: "torch.cholesky checks its result on the host; use torch.linalg.cholesky_ex(A).L",
     aten.cholesky_inverse: "torch.cholesky_inverse checks its result on the host; use torch.cholesky_solve(I, L)",
-    aten.linalg_matrix_exp: "torch.linalg.matrix_exp reads the matrix norm on the host to choose its degree",
+    aten.linalg_matrix_exp: ("torch.linalg.matrix_exp reads the matrix norm on the host to choose its degree; "
+                             "for parametrizations.orthogonal, orthogonal_map='householder' needs no host read"),
     aten._nested_tensor_from_mask: "building a nested tensor from a mask reads the mask on the host "
                                    "(nn.TransformerEncoder's fast path in eval with src_key_padding_mask: pass "
                                    "enable_nested_tensor=False)",
