@@ -589,3 +589,16 @@ def test_cuda_refusing_an_unregistered_generator_is_explained():
     error = _as_capture_error(RuntimeError("Attempt to increase offset for a CUDA generator not in capture mode."))
     assert isinstance(error, GraphCaptureError)
     assert "torch.Generator of your own" in str(error) and "leave generator= out" in str(error)
+
+
+def test_the_default_generator_passed_explicitly_is_rewound_once():
+    torch.manual_seed(0)
+    state = torch.get_rng_state()
+    g = ng.Graph()
+    with ng.graph(g):
+        a = torch.rand(4)
+        b = torch.rand(4, generator=torch.default_generator)
+    assert torch.equal(torch.get_rng_state(), state)
+    g.replay()
+    torch.set_rng_state(state)
+    assert torch.equal(a, torch.rand(4)) and torch.equal(b, torch.rand(4))

@@ -1547,16 +1547,27 @@ def test_signatures_name_their_keyword_arguments():
         graphed(x, mask=None).sum().backward()
 
 
-def test_a_module_drawing_from_its_own_generator_matches_eager():
+@pytest.mark.parametrize("held_by", ["module", "submodule"])
+def test_a_module_drawing_from_its_own_generator_matches_eager(held_by):
     # Warmup draws from it and capture does on the emulator: both are undone, as for torch's default generator.
+    class Noise(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.gen = torch.Generator().manual_seed(0)
+
+        def forward(self, x):
+            return x * torch.rand(x.shape, generator=self.gen)
+
     class Noisy(nn.Module):
         def __init__(self):
             super().__init__()
             self.lin = nn.Linear(3, 3)
-            self.gen = torch.Generator().manual_seed(0)
+            self.noise = Noise()
+            if held_by == "module":
+                self.gen = self.noise.gen
 
         def forward(self, x):
-            return self.lin(x) * torch.rand(x.shape, generator=self.gen)
+            return self.noise(self.lin(x))
 
     torch.manual_seed(0)
     eager = Noisy()
@@ -1595,3 +1606,19 @@ def test_a_submodule_recomputing_its_weight_in_a_hook_is_refused_with_the_parame
     with pytest.raises(ng.GraphCaptureError, match=r"block.0 recomputes weight in a forward pre-hook .*"
                                                     r"parametrizations.weight_norm"):
         ng.make_graphed_callables(block, (torch.zeros(3, 4),), names=["block"])
+
+
+def test_a_system_random_held_by_a_module_is_no_host_generator():
+    module = nn.Linear(3, 3)
+    module.entropy = random.SystemRandom()  # no state to read: not drawn from in the forward, nothing to refuse
+    ng.make_graphed_callables(module, (torch.randn(2, 3),))(torch.randn(2, 3)).sum().backward()
+
+
+def test_a_post_accumulate_grad_hook_keeping_the_gradient_gets_its_own():
+    model = ng.make_graphed_callables(nn.Linear(3, 1), (torch.zeros(2, 3),))
+    kept = []
+    model.weight.register_post_accumulate_grad_hook(lambda p: kept.append(p.grad))
+    for scale in (1, 5):
+        model.weight.grad = None
+        model(torch.randn(2, 3) * scale).sum().backward()
+    assert not torch.equal(kept[0], kept[1]) and kept[1] is model.weight.grad

@@ -1542,3 +1542,47 @@ def test_a_batch_tensor_written_in_place_that_other_entries_view_is_refused():
     with pytest.warns(UserWarning, match="capture failed, runs eager: training_step writes batch"):
         graphed = run([NPUGraphCallback(mode="whole_step", on_failure="eager")])
     assert _same(eager, graphed)
+
+
+class ScalesFeatures(Scheduled):
+    """Features and label are disjoint column views of one tensor; the step shifts the features in place."""
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        x.sub_(0.1)
+        return nn.functional.mse_loss(self(x), y)
+
+
+class Pair:
+    """A batch type registered with torch's pytree without key paths (register_pytree_node's classic form)."""
+
+    def __init__(self, x, y):
+        self.x, self.y = x, y
+
+
+torch.utils._pytree.register_pytree_node(Pair, lambda p: ([p.x, p.y], None), lambda leaves, _: Pair(*leaves))
+
+
+class ScalesPair(ScalesFeatures):
+    def training_step(self, batch, batch_idx):
+        return super().training_step((batch.x, batch.y), batch_idx)
+
+
+@pytest.mark.parametrize("kind", ["columns", "pytree without keys"])
+def test_disjoint_views_of_one_batch_tensor_written_in_place_are_captured(kind):
+    data = torch.randn(40, 5, generator=torch.Generator().manual_seed(0))
+
+    def collate(rows):
+        b = torch.stack(rows)
+        return (b[:, :4], b[:, 4:]) if kind == "columns" else Pair(b[:, :4].clone(), b[:, 4:].clone())
+
+    def run(callbacks):
+        torch.manual_seed(0)
+        model = ScalesFeatures() if kind == "columns" else ScalesPair()
+        trainer(callbacks, max_steps=8, val_check_interval=None, limit_val_batches=0).fit(
+            model, torch.utils.data.DataLoader(list(data), batch_size=8, collate_fn=collate))
+        return model
+
+    callback = NPUGraphCallback(mode="whole_step")
+    graphed = run([callback])
+    assert callback.report()[0]["replays"] >= 4 and _same(run([]), graphed)

@@ -54,22 +54,43 @@ from .step_setup import callbacks_inside_step, check_schedulers
 UPDATE_HOOK = "npugraph_update_input"
 
 def _shared_batch_written(batch: Any, written: List[int]) -> Optional[GraphCaptureError]:
-    """The refusal of a step that writes a batch tensor in place which other batch entries share memory with
-    (views of one tensor: ``inp, tgt = seq[:, :-1], seq[:, 1:]``), if it does: the graph's copies of the batch
-    are separate tensors, which would not see each other's writes."""
-    paths, leaves = zip(*tree_flatten_with_path(batch)[0]) if written else ((), ())
-    addresses = [storage_address(t) if isinstance(t, torch.Tensor) else None for t in leaves]
+    """The refusal of a step that writes a batch tensor in place which another batch entry overlaps (views of one
+    tensor: ``inp, tgt = seq[:, :-1], seq[:, 1:]``), if it does: the graph's copies of the batch are separate
+    tensors, which would not see each other's writes. Disjoint views (``b[:, :4], b[:, 4:]``) are fine."""
+    if not written:
+        return None
+    leaves = tree_flatten(batch)[0]
     for i in written:
-        shared = next((j for j, address in enumerate(addresses) if address is not None and address == addresses[i]
-                       and leaves[j] is not leaves[i]), None)
+        shared = next((j for j, other in enumerate(leaves) if other is not leaves[i]
+                       and isinstance(other, torch.Tensor) and _overlap(leaves[i], other)), None)
         if shared is not None:
-            name, other = f"batch{keystr(paths[i])}", f"batch{keystr(paths[shared])}"
+            name, other = _batch_entry_names(batch, len(leaves), (i, shared))
             return GraphCaptureError(
                 f"training_step writes {name} in place, and {other} shares its memory (views of one tensor, e.g. "
                 f"inp = seq[:, :-1]): the graph copies batch tensors into separate buffers, so on replayed steps "
                 f"{other} would not see the write. Write out of place ({name} = {name} * ...), or give the batch "
                 "separate tensors (.clone() in the collate function)", module_name="training_step")
     return None
+
+
+def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two tensors share an element of memory (by element offsets: views of one storage may not)."""
+    address = storage_address(a)
+    if address is None or address != storage_address(b):
+        return False
+    if a.element_size() != b.element_size():
+        return True  # views of another dtype: assume they overlap
+    size = a.untyped_storage().nbytes() // a.element_size()
+    offsets = [torch.arange(size).as_strided(t.shape, t.stride(), t.storage_offset()).flatten() for t in (a, b)]
+    return bool(torch.isin(offsets[0], offsets[1]).any())
+
+
+def _batch_entry_names(batch: Any, count: int, indices: Tuple[int, ...]) -> List[str]:
+    try:  # paths as the user writes them; a pytree node registered without keys has none
+        paths = [f"batch{keystr(path)}" for path, _ in tree_flatten_with_path(batch)[0]]
+    except ValueError:
+        paths = [f"batch leaf {i}" for i in range(count)]
+    return [paths[i] for i in indices]
 
 
 def _layouts(leaves: List[Any]) -> List[Any]:

@@ -345,10 +345,13 @@ class GraphedCallable:
         return ""
 
     def params_hooked(self) -> bool:
-        """Whether a parameter has a tensor hook (``p.register_hook``), which may keep the gradient it is given."""
+        """Whether a parameter has a tensor hook (``p.register_hook``, ``register_post_accumulate_grad_hook``),
+        which may keep the gradient it is given."""
         handles = RemovableHandle.next_id  # every registration takes one
         if handles != self._param_hooks_seen:
-            self._params_hooked = any(p._backward_hooks for p in self.params)
+            # A post-accumulate-grad hook is given the parameter, whose .grad it may keep as well.
+            self._params_hooked = any(p._backward_hooks or getattr(p, "_post_accumulate_grad_hooks", None)
+                                      for p in self.params)
             self._param_hooks_seen = handles
         return self._params_hooked
 

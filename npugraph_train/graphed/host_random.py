@@ -26,6 +26,8 @@ def _access(value: Any) -> Optional[_Access]:
     """(get state, set state) of a host random generator object, or None for anything else."""
     if type(value) in weakref.ProxyTypes:  # isinstance would raise on a dead one
         return None
+    if isinstance(value, random.SystemRandom):  # the OS's entropy: no state, nothing a replay could freeze
+        return None
     if isinstance(value, random.Random):
         return value.getstate, value.setstate
     numpy = sys.modules.get("numpy")  # only once imported: nothing can hold its generators before

@@ -19,8 +19,8 @@ What it models, as a device graph behaves:
   and torch's CPU RNG state is restored (capture draws no random numbers).
 - Random ops draw new numbers on every replay, from torch's CPU generator or the explicit ``torch.Generator``
   they are given (rewound at ``capture_end`` like the default one: torch_npu registers generators with the
-  graph). Reading or setting the default generator's state during capture (``torch.get_rng_state``, ``set_rng_state``, ``fork_rng``,
-  ``manual_seed``, ``seed``; activation checkpointing reads it unless ``preserve_rng_state=False``) raises
+  graph). Reading or setting the default generator's state during capture (``torch.get_rng_state``,
+  ``set_rng_state``, ``fork_rng``, ``manual_seed``, ``seed``; activation checkpointing reads it unless ``preserve_rng_state=False``) raises
   ``GraphCaptureError``, as CUDA's "Cannot call CUDAGeneratorImpl::current_seed during CUDA graph
   capture" does.
 - Ops that make the host wait for device data (``.item()``, ``.tolist()``, ``.numpy()``, ``.cpu()``,
@@ -403,9 +403,12 @@ class EmulatedGraph:
         for value in values:
             # An explicit generator (torch.rand(..., generator=g)) is rewound at capture_end as the default one
             # is: torch_npu registers generators with the graph, whose draws advance them on replay only.
-            if isinstance(value, torch.Generator) and id(value) not in self._generators:
+            # (Keyed by the C++ generator: dispatch hands ops new Python wrappers of it. The default one is rewound
+            # by set_rng_state.)
+            if (isinstance(value, torch.Generator) and value._cdata != torch.default_generator._cdata
+                    and value._cdata not in self._generators):
                 with _disable_current_modes():
-                    self._generators[id(value)] = (value, value.get_state())
+                    self._generators[value._cdata] = (value, value.get_state())
         hidden = _UNANNOTATED_WRITES.get(func, ())
         for index, (arg, value) in enumerate(zip(schema_args, values)):
             if index not in hidden and (arg.alias_info is None or not arg.alias_info.is_write):
