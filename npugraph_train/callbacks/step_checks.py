@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import sys
 import operator
+import sys
 import threading
 from typing import Any, Callable, Collection, ContextManager, Dict, Iterator, List, Optional, Sequence, Set, Tuple
 

@@ -49,7 +49,8 @@ from torch.utils._pytree import tree_flatten
 from torch.utils.hooks import RemovableHandle
 
 from .backends import CAPTURE_ERROR_MODES, Backend, get_backend
-from .captured import CapturedSignature, SignatureStats, batch_ids, capture_signatures, in_checkpoint_forward
+from .captured import (CapturedSignature, SignatureStats, batch_ids, capture_signatures, in_checkpoint_forward,
+                       may_keep_grad)
 from .errors import GraphCaptureError, GraphStateError
 from .signatures import (Signature, describe_signature, difference_hint, flatten_call, is_constant, serves, signature,
                          static_copies, within)
@@ -349,9 +350,7 @@ class GraphedCallable:
         which may keep the gradient it is given."""
         handles = RemovableHandle.next_id  # every registration takes one
         if handles != self._param_hooks_seen:
-            # A post-accumulate-grad hook is given the parameter, whose .grad it may keep as well.
-            self._params_hooked = any(p._backward_hooks or getattr(p, "_post_accumulate_grad_hooks", None)
-                                      for p in self.params)
+            self._params_hooked = any(map(may_keep_grad, self.params))
             self._param_hooks_seen = handles
         return self._params_hooked
 

@@ -33,6 +33,12 @@ if TYPE_CHECKING:
 
 _grad_of = operator.attrgetter("grad")
 
+
+def may_keep_grad(param: torch.Tensor) -> bool:
+    """Whether a hook on ``param`` may keep the gradient it is given: a tensor hook (``register_hook``) or a
+    post-accumulate-grad hook (given the parameter, whose ``.grad`` it may keep)."""
+    return bool(param._backward_hooks or getattr(param, "_post_accumulate_grad_hooks", None))
+
 # Callables captured together share a batch id; their position in the batch is their capture order.
 batch_ids = itertools.count()
 
@@ -54,8 +60,7 @@ def _returned_grads(statics: Sequence[Optional[torch.Tensor]], accumulators: Seq
     for static, accumulator, need in zip(statics, accumulators, needed):
         if static is None or not need:
             returned.append(None)
-        elif copies or accumulator is None or accumulator[0]._backward_hooks or getattr(
-                accumulator[0], "_post_accumulate_grad_hooks", None):  # a hook may keep what it is given
+        elif copies or accumulator is None or may_keep_grad(accumulator[0]):
             returned.append(static.clone())
         else:
             try:
@@ -541,11 +546,12 @@ def capture_signatures(sigs: Sequence[CapturedSignature], key_of: Dict[int, Sign
     reads = StorageReads()
     attributes: Dict[int, StateAttributes] = {}
     cpu_rng, device_rng = torch.get_rng_state(), backend.get_rng_state()
+    holders = [(f"{o.name}.{path}" if path else o.name, vars(m)) for o in owners if o.is_module
+               for path, m in o.func.named_modules()]
+    host_random = HostRandom(holders)
     # Generators of their own (torch.rand(..., generator=self.gen)): warmup draws from them too.
-    own_generators = [(g, g.get_state()) for g in {id(v): v for m in modules for sub in m.modules()
-                                                  for v in vars(sub).values() if type(v) is torch.Generator}.values()]
-    host_random = HostRandom((f"{o.name}.{path}" if path else o.name, vars(m)) for o in owners if o.is_module
-                             for path, m in o.func.named_modules())
+    own_generators = [(g, g.get_state()) for g in {id(v): v for _, values in holders for v in values.values()
+                                                  if type(v) is torch.Generator}.values()]
     seconds = {id(sig): 0.0 for sig in sigs}
 
     def restore() -> None:

@@ -20,9 +20,9 @@ What it models, as a device graph behaves:
 - Random ops draw new numbers on every replay, from torch's CPU generator or the explicit ``torch.Generator``
   they are given (rewound at ``capture_end`` like the default one: torch_npu registers generators with the
   graph). Reading or setting the default generator's state during capture (``torch.get_rng_state``,
-  ``set_rng_state``, ``fork_rng``, ``manual_seed``, ``seed``; activation checkpointing reads it unless ``preserve_rng_state=False``) raises
-  ``GraphCaptureError``, as CUDA's "Cannot call CUDAGeneratorImpl::current_seed during CUDA graph
-  capture" does.
+  ``set_rng_state``, ``fork_rng``, ``manual_seed``, ``seed``; activation checkpointing reads it unless
+  ``preserve_rng_state=False``) raises ``GraphCaptureError``, as CUDA's "Cannot call
+  CUDAGeneratorImpl::current_seed during CUDA graph capture" does.
 - Ops that make the host wait for device data (``.item()``, ``.tolist()``, ``.numpy()``, ``.cpu()``,
   ``bool(t)``, printing a tensor, ``nonzero``, ``torch.equal``, ops with data-dependent output shapes
   (``x[mask]``; integer indices and ``repeat_interleave(..., output_size=n)`` are captured), putting values
