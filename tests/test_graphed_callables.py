@@ -348,6 +348,69 @@ def test_returned_input_gradients_are_not_static_buffers():
     assert g1.untyped_storage().data_ptr() != g2.untyped_storage().data_ptr()
 
 
+class _CountClones(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.clones = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.clones += func is torch.ops.aten.clone.default
+        return func(*args, **(kwargs or {}))
+
+
+def _blocks(seed=0):
+    torch.manual_seed(seed)
+    return [nn.Sequential(nn.Linear(4, 4), nn.Tanh()) for _ in range(3)]
+
+
+def test_gradients_between_graphed_blocks_are_not_copied():
+    eager, graphed = _blocks(), _blocks()
+    ng.make_graphed_callables(tuple(graphed), tuple((torch.zeros(2, 4, requires_grad=i > 0),) for i in range(3)))
+    for step in range(3):
+        x = torch.randn(2, 4)
+        for blocks in (eager, graphed):
+            h1 = blocks[0](x)
+            h2 = blocks[1](h1) + h1  # h1's gradient: the alias block 1 returns, added to the residual's
+            loss = blocks[2](h2).pow(2).sum()
+            with _CountClones() as counted:
+                loss.backward()
+        # block 1's input gradient goes straight into block 0's graph; block 2's input is the sum's (a copy)
+        assert counted.clones == 1
+        for e, g in zip(eager, graphed):
+            for pe, pg in zip(e.parameters(), g.parameters()):
+                assert torch.equal(pe.grad, pg.grad)
+                pe.grad = pg.grad = None
+
+
+@pytest.mark.parametrize("keeper", ["hook", "retain_grad", "backward_inputs", "autograd_grad"])
+def test_a_kept_gradient_between_graphed_blocks_is_its_own(keeper):
+    # Between two graphed blocks the gradient is an alias of the later block's static buffer, unless something
+    # can keep it: the next step's replay would change what it kept.
+    eager, graphed = _blocks(), _blocks()
+    ng.make_graphed_callables(tuple(graphed[:2]), ((torch.zeros(2, 4),), (torch.zeros(2, 4, requires_grad=True),)))
+    kept = {}
+    for step in range(2):
+        x = torch.randn(2, 4)
+        for name, blocks in (("eager", eager), ("graphed", graphed)):
+            h1 = blocks[0](x)
+            if keeper == "hook":
+                h1.register_hook(lambda g, name=name: kept.setdefault((name, step), g))
+            elif keeper == "retain_grad":
+                h1.retain_grad()
+            loss = blocks[1](h1).pow(2).sum()
+            if keeper == "backward_inputs":
+                loss.backward(inputs=[h1, blocks[1][0].weight])
+            elif keeper == "autograd_grad":
+                kept[name, step] = torch.autograd.grad(loss, [h1, blocks[0][0].weight])[0]
+            else:
+                loss.backward()
+            if keeper in ("retain_grad", "backward_inputs"):
+                kept[name, step] = h1.grad
+    for step in range(2):
+        assert torch.equal(kept["graphed", step], kept["eager", step]), f"step {step}"
+    assert not torch.equal(kept["graphed", 0], kept["graphed", 1])
+
+
 def _steps(model, batches, opt, set_to_none=True):
     for x, y in batches:
         nn.functional.mse_loss(model(x), y).backward()
@@ -356,20 +419,13 @@ def _steps(model, batches, opt, set_to_none=True):
 
 
 def test_parameter_gradients_are_not_copied_on_their_way_to_grad():
-    class CountClones(TorchDispatchMode):
-        clones = 0
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            self.clones += func is torch.ops.aten.clone.default
-            return func(*args, **(kwargs or {}))
-
     torch.manual_seed(0)
     model = ng.make_graphed_callables(nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1)), (torch.zeros(2, 4),))
     x, y = torch.randn(2, 4), torch.randn(2, 1)
     nn.functional.mse_loss(model(x), y).backward()  # .grad was None: adopted, as with torch's make_graphed_callables
     kept = {n: p.grad.clone() for n, p in model.named_parameters()}
     loss = nn.functional.mse_loss(model(x), y)
-    with CountClones() as counted:
+    with _CountClones() as counted:
         loss.backward()  # accumulates into .grad, which holds the buffer this replay writes: copied out first
     assert counted.clones == 4
     for n, p in model.named_parameters():
@@ -377,7 +433,7 @@ def test_parameter_gradients_are_not_copied_on_their_way_to_grad():
     for p in model.parameters():
         p.grad = None
     loss = nn.functional.mse_loss(model(x), y)
-    with CountClones() as counted:
+    with _CountClones() as counted:
         loss.backward()
     assert counted.clones == 0
     for n, p in model.named_parameters():
@@ -1304,6 +1360,28 @@ class TestModuleState:
         loss_b.backward()  # in reverse order, both work
         loss_a.backward()
         (first(torch.randn(3, 4)).sum() + second(torch.randn(3, 4)).sum()).backward()
+
+    def test_pool_order_without_and_with_a_scan(self):
+        # The order keeper decides a step's rising calls from its last entry alone; anything else is scanned.
+        from npugraph_train.graphed.captured import PoolOrder
+
+        class Ctx:
+            pass
+
+        order, ctxs = PoolOrder(), [Ctx() for _ in range(4)]
+        for i in range(3):
+            assert order.may_replay((7, i))
+            order.add(i, (7, i), ctxs[i])
+        assert not order.may_replay((7, 1)) and not order.may_replay((8, 5))  # position 2 still pending
+        order.pending.pop(2)
+        order.overwrite_after((7, 2), "c")  # nothing later than 2 pending: nobody marked
+        assert not hasattr(ctxs[1], "overwritten_by") and len(order.pending) == 2
+        order.overwrite_after((7, 0), "a")  # position 1 loses its activations; 0 is its own
+        assert ctxs[1].overwritten_by == "a" and list(order.pending) == [0]
+        order.add(3, (8, 0), ctxs[3])  # another batch: no longer rising, decided by a scan
+        assert not order.may_replay((8, 1)) and not order.may_replay((7, 1))
+        del ctxs[0]  # its autograd graph dropped without a backward: no longer pending once scanned
+        assert order.may_replay((8, 1)) and list(order.pending) == [3]
 
     def test_attributes_the_forward_writes_are_no_settings_and_no_state(self):
         class Writes(nn.Module):

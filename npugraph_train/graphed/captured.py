@@ -20,6 +20,7 @@ import torch.nn as nn
 from torch.autograd.graph import get_gradient_edge
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._pytree import tree_flatten, tree_unflatten
+from torch.utils.hooks import RemovableHandle
 
 from .errors import GraphCaptureError, GraphStateError
 from .graphs import Graph, graph
@@ -71,6 +72,18 @@ def _returned_grads(statics: Sequence[Optional[torch.Tensor]], accumulators: Seq
     return tuple(returned)
 
 
+# The autograd node classes of graphed calls' outputs (each context is its node).
+_graphed_nodes: set = set()
+
+
+def _feeds_graph(node: Any, handles: int) -> bool:
+    """Whether a gradient handed to ``node`` goes straight into a static buffer: ``node`` is a graphed call's,
+    whose backward copies the gradient in and keeps nothing, and no hook that could keep it was registered on
+    it or its tensors since it was made (no hook was registered anywhere: every registration takes a handle id).
+    A ``retain_grad()`` or ``.backward(inputs=...)`` on its tensor stores a copy anyway."""
+    return type(node) in _graphed_nodes and node.handles == handles
+
+
 def _aliases_reach_grad(probe: Optional[Tuple[int, Any]], needed: Sequence[bool]) -> bool:
     """Whether every parameter gradient this backward returns goes to ``.grad`` (or nowhere), none to a caller.
 
@@ -99,6 +112,9 @@ class PoolOrder:
 
     def __init__(self) -> None:
         self.pending: Dict[int, Tuple[Tuple[int, int], Any]] = {}
+        # Entries in insertion order are of one batch with rising positions (a step's forwards so far): then the
+        # last one decides both checks below without a scan, which would cost a step quadratic time in its calls.
+        self._rising = True
 
     @staticmethod
     def of(pool: Any) -> "PoolOrder":
@@ -107,10 +123,28 @@ class PoolOrder:
             order = _pool_orders[pool] = PoolOrder()
         return order
 
+    def add(self, key: int, order: Tuple[int, int], ctx: Any) -> None:
+        """A forward replayed at ``order``: its backward (autograd context ``ctx``) is pending."""
+        if not self.pending:
+            self._rising = True
+        elif self._rising:
+            last = self._last()
+            self._rising = last[0] == order[0] and last[1] < order[1] and key not in self.pending
+        self.pending[key] = (order, weakref.ref(ctx))
+
+    def _last(self) -> Tuple[int, int]:
+        return next(reversed(self.pending.values()))[0]
+
     def overwrite_after(self, order: Tuple[int, int], by: str) -> None:
         """A backward captured at ``order`` is about to replay: the calls captured after it in the same batch
         whose backward is still pending lose their activations (that graph reuses their memory). Their
         backward, should it come, is refused; calls whose outputs were only watched never notice."""
+        if not self.pending:
+            return
+        if self._rising:  # (removals keep entries rising)
+            last = self._last()
+            if last[0] != order[0] or last[1] <= order[1]:
+                return
         for key, (other, ctx_ref) in list(self.pending.items()):
             ctx = ctx_ref()
             if ctx is not None and other[0] == order[0] and other[1] > order[1]:
@@ -118,6 +152,12 @@ class PoolOrder:
                 del self.pending[key]
 
     def may_replay(self, order: Tuple[int, int]) -> bool:
+        if not self.pending:
+            return True
+        if self._rising:
+            last = self._last()
+            if last[0] == order[0] and last[1] < order[1]:
+                return True
         for key, (other, ctx_ref) in list(self.pending.items()):
             if ctx_ref() is None:  # its autograd graph was dropped without a backward
                 del self.pending[key]
@@ -340,14 +380,19 @@ class CapturedSignature:
         self.probe = next(((i, a[1]) for i, a in enumerate(self.accumulators) if a is not None), None)
         self.function = self._make_function()
 
-    def returned_grads(self, needed: Sequence[bool], copies: bool) -> Tuple[Optional[torch.Tensor], ...]:
+    def returned_grads(self, needed: Sequence[bool], copies: bool,
+                       upstream: Sequence[Any] = ()) -> Tuple[Optional[torch.Tensor], ...]:
         """The gradients a backward replay returns: see :func:`_returned_grads`. In a plain ``.backward()`` with
-        no tensor hooks on the parameters (each replay's case), one check serves all parameters."""
+        no tensor hooks on the parameters (each replay's case), one check serves all parameters, and an input's
+        gradient is an alias too where it goes straight into an earlier graphed call's backward (``upstream``:
+        the inputs' nodes at the call), as between graphed blocks in a row: no copy per block and step."""
         if copies or self.owner.params_hooked() or not _aliases_reach_grad(self.probe, needed):
             return _returned_grads(self.static_grad_inputs, self.accumulators, needed, copies)
-        num_user = len(self.static_inputs)
-        return tuple(None if static is None or not need else static.clone() if i < num_user else static.detach()
-                     for i, (static, need) in enumerate(zip(self.static_grad_inputs, needed)))
+        num_user, handles = len(self.static_inputs), RemovableHandle.next_id
+        inputs = tuple(None if static is None or not need else static.detach() if _feeds_graph(node, handles)
+                       else static.clone() for static, need, node in zip(self.static_grad_inputs, needed, upstream))
+        return inputs + tuple(None if static is None or not need else static.detach()
+                              for static, need in zip(self.static_grad_inputs[num_user:], needed[num_user:]))
 
     def copy_out_adopted_grads(self) -> None:
         """Give parameters whose ``.grad`` is still a gradient buffer of this graph a copy of it: the backward
@@ -384,7 +429,8 @@ class CapturedSignature:
                 sig.replay_forward(inputs[:num_user])
                 ctx.replay = sig.replays
                 ctx.versions = [o._version for o in sig.outputs_read_by_backward]
-                pool_order.pending[id(sig)] = (sig.order, weakref.ref(ctx))
+                pool_order.add(id(sig), sig.order, ctx)
+                ctx.handles, ctx.upstream = RemovableHandle.next_id, [t.grad_fn for t in inputs[:num_user]]
                 ctx.in_checkpoint = in_checkpoint_forward()
                 outputs = tuple(o.detach() for o in sig.static_outputs)
                 ctx.mark_non_differentiable(*(o for o, s in zip(outputs, sig.static_outputs) if not s.requires_grad))
@@ -434,12 +480,15 @@ class CapturedSignature:
                 # to run (two calls of other shapes, a multi-crop step), its replay would overwrite an alias the
                 # engine has not yet added to .grad, so this one hands over copies.
                 shared = any(other is not sig and other.backward_pending() for other in sig.owner.signatures.values())
-                return sig.returned_grads(ctx.needs_input_grad, copies=shared)
+                return sig.returned_grads(ctx.needs_input_grad, shared, ctx.upstream)
 
+        _graphed_nodes.add(Graphed._backward_cls)
         return Graphed
 
     def release(self) -> None:
         self.pool_order.pending.pop(id(self), None)
+        if self.function is not None:
+            _graphed_nodes.discard(self.function._backward_cls)
         self.fwd_graph.reset()
         self.bwd_graph.reset()
         self.released = True
