@@ -108,6 +108,53 @@ def test_warmup_leaves_rng_and_buffers_untouched():
         assert torch.equal(value, before[key]), key
 
 
+class _InPlaceState(nn.Module):
+    """State a forward updates in place in every call, held where no buffer list finds it."""
+
+    def __init__(self, outside: nn.Module):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.avg = torch.zeros(4)  # a plain tensor attribute
+        self.stats = {"calls": torch.zeros(())}
+        self.frozen = nn.Parameter(torch.zeros(4), requires_grad=False)
+        self.others = [outside]  # another module's buffer
+        self.emb = nn.Embedding(10, 4, max_norm=1.0)  # renormalises the rows it looks up, in place
+
+    def forward(self, x, ids):
+        with torch.no_grad():
+            self.avg.mul_(0.5).add_(x.mean(0), alpha=0.5)
+            self.stats["calls"].add_(1)
+            self.frozen.add_(x.std(0))
+            self.others[0].count.add_(1)
+        return self.lin(x - self.avg) + self.emb(ids) * (self.frozen + self.stats["calls"] + self.others[0].count)
+
+
+def _in_place_state_model():
+    torch.manual_seed(0)
+    outside = nn.Module()
+    outside.register_buffer("count", torch.zeros(()))
+    model = _InPlaceState(outside)
+    with torch.no_grad():
+        model.emb.weight.mul_(3)  # rows beyond max_norm
+    return model
+
+
+def test_warmup_writes_are_undone_wherever_the_state_is_held():
+    eager, graphed = _in_place_state_model(), _in_place_state_model()
+    ids = lambda: torch.randint(0, 10, (8,))
+    ng.make_graphed_callables(graphed, (torch.randn(8, 4), ids()))
+    for _ in range(3):
+        x, i = torch.randn(8, 4), ids()
+        for model in (eager, graphed):
+            model(x, i).sum().backward()
+    assert ng.graphed_state(graphed).report()["replays"] == 3
+    for (name, a), b in zip(eager.state_dict().items(), graphed.state_dict().values()):
+        assert torch.equal(a, b), name
+    for a, b in ((eager.avg, graphed.avg), (eager.stats["calls"], graphed.stats["calls"]),
+                 (eager.others[0].count, graphed.others[0].count), (eager.lin.weight.grad, graphed.lin.weight.grad)):
+        assert torch.equal(a, b)
+
+
 @pytest.mark.parametrize("error", [ValueError, KeyboardInterrupt])
 def test_warmup_leaves_no_trace_when_the_forward_raises_anything(error):
     class Fails(nn.Module):
@@ -129,6 +176,14 @@ def test_warmup_leaves_no_trace_when_the_forward_raises_anything(error):
         ng.make_graphed_callables(model, (sample,))
     assert torch.equal(torch.get_rng_state(), rng)
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+    # state written in place outside the buffers too (here once: the first warmup call then fails)
+    model = _in_place_state_model()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    model.forward = lambda x, ids: _InPlaceState.forward(model, x, ids) + 1 / 0
+    with pytest.raises(ng.GraphCaptureError, match="ZeroDivisionError"):
+        ng.make_graphed_callables(model, (torch.randn(8, 4), torch.arange(8)))
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+    assert not model.avg.any() and not model.stats["calls"] and not model.others[0].count
 
 
 def test_signatures_captured_while_frozen_still_train_after_unfreezing():

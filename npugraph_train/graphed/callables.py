@@ -14,7 +14,8 @@ and safer than both:
 - keyword tensor arguments are captured (``sample_kwargs``);
 - a parameter's ``.grad`` adopts a buffer outside the graphs' pool (no copy per call), copied out before the
   next backward replay overwrites it, so gradient accumulation is correct;
-- warmup leaves RNG state (also Python's and NumPy's) and module buffers (BatchNorm statistics) as they were;
+- warmup leaves RNG state (also Python's and NumPy's), module buffers (BatchNorm statistics) and tensors the
+  forward updates in place on every call, wherever they are held, as they were;
   a forward that draws random numbers on the host, which every replay would repeat, is refused;
 - a second call before the first call's backward ran (same module twice in one step) runs eager
   rather than overwriting the activations the first backward needs; calls under ``no_grad`` return

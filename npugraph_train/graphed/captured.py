@@ -26,8 +26,8 @@ from .errors import GraphCaptureError, GraphStateError
 from .graphs import Graph, graph
 from .host_random import HostRandom
 from .signatures import Signature, describe_signature, unique_tensors
-from .state_attributes import (MODULE_INTERNALS, SCALAR_TYPES, StateAttributes, StorageReads, attribute_path,
-                               carried_state_message, storage_address, tensors_in)
+from .state_attributes import (MODULE_INTERNALS, SCALAR_TYPES, StateAttributes, StorageReads, WarmupWrites,
+                               attribute_path, carried_state_message, storage_address, tensors_in)
 
 if TYPE_CHECKING:
     from .callables import GraphedCallable
@@ -582,8 +582,11 @@ def capture_signatures(sigs: Sequence[CapturedSignature], key_of: Dict[int, Sign
     """Warm up, then capture forwards in order and backwards in reverse order (torch's pool order).
 
     RNG state (torch's and the host generators'), module buffers and tensor attributes are restored after warmup,
-    so warmup leaves no trace; a forward that draws from a host generator is refused.
-    On failure nothing is registered and the error names the callable.
+    and so are the contents of tensors warmup wrote in place that the captured forward writes too (per-call state
+    wherever it is held: a running average in a plain tensor attribute, a momentum encoder's frozen parameters,
+    ``Embedding(max_norm=...)``'s weight), so warmup leaves no trace; what only warmup's first call wrote (a
+    one-time data-dependent init) stays. A forward that draws from a host generator is refused.
+    On failure nothing is registered, nothing warmup wrote stays, and the error names the callable.
     """
     owners = [s.owner for s in sigs]
     backend = owners[0].backend
@@ -592,7 +595,7 @@ def capture_signatures(sigs: Sequence[CapturedSignature], key_of: Dict[int, Sign
     saved_buffers = [b.detach().clone() for b in buffers]
     before_warmup = [StateAttributes(m) for m in modules]
     settings_before = [o.module_settings.snapshot() for o in owners]
-    reads = StorageReads()
+    reads, writes = StorageReads(), WarmupWrites()
     attributes: Dict[int, StateAttributes] = {}
     cpu_rng, device_rng = torch.get_rng_state(), backend.get_rng_state()
     holders = [(f"{o.name}.{path}" if path else o.name, vars(m)) for o in owners if o.is_module
@@ -628,7 +631,7 @@ def capture_signatures(sigs: Sequence[CapturedSignature], key_of: Dict[int, Sign
     try:
         with torch.enable_grad():
             backend.synchronize()
-            with backend.stream(backend.new_stream()):
+            with backend.stream(backend.new_stream()), writes:
                 for current in sigs:
                     timed(current, current.warmup)
                     drawn = host_random.drawn()
@@ -646,6 +649,7 @@ def capture_signatures(sigs: Sequence[CapturedSignature], key_of: Dict[int, Sign
             with reads:
                 for current in sigs:
                     timed(current, current.capture_forward)
+            writes.undo(only=reads.written)  # replays write them once per call, as eager would
             for current in sigs:
                 kept = attributes.get(id(current.owner))
                 carried = kept.carried(list(current.static_outputs), current.static_inputs) if kept is not None else []
@@ -662,6 +666,7 @@ def capture_signatures(sigs: Sequence[CapturedSignature], key_of: Dict[int, Sign
                 timed(current, current.capture_backward)
     except BaseException as exc:  # Ctrl-C or any error in a user's forward: warmup must leave no trace either
         try:
+            writes.undo()
             restore()
         except Exception as undo:  # the original error is the one to see (add_note: Python 3.11+)
             getattr(exc, "add_note", lambda note: None)(
