@@ -159,9 +159,10 @@ def test_rng_state_reads_during_capture_are_refused_as_on_cuda():
     with pytest.raises(GraphCaptureError, match=r"get_rng_state\(\) during graph capture at .*preserve_rng_state"):
         with ng.graph(ng.Graph()):
             checkpoint(layer, x, use_reentrant=False).sum().backward()
-    with pytest.raises(GraphCaptureError, match=r"manual_seed\(\) during graph capture"):
-        with ng.graph(ng.Graph()):
-            torch.manual_seed(1)
+    for seed in (lambda s: torch.manual_seed(s), lambda s: torch.random.manual_seed(s), lambda s: torch.random.seed()):
+        with pytest.raises(GraphCaptureError, match=r"(manual_)?seed\(\) during graph capture"):
+            with ng.graph(ng.Graph()):
+                seed(1)
     assert torch.get_rng_state().shape, "the guard is gone after capture"
     layer = layer[0]  # no random numbers: checkpointing without saving the RNG state captures
     g = ng.Graph()
@@ -231,6 +232,12 @@ _LENGTHS = torch.tensor([4, 3, 2, 1])
     (lambda: _SPD.new_tensor(0.5), r"Tensor.new_tensor\(..., device=...\) copies host data"),
     (lambda: nn.utils.rnn.pack_padded_sequence(_SPD[:, :, None], _LENGTHS),
      "pack_padded_sequence takes its output shape"),
+    (lambda: torch.arange(4).to(_SPD.device) * _SPD, r"made on the host to the device.*torch.arange\(n, device="),
+    (lambda: torch.ones(4, device="cpu").to(device=_SPD.device), "made on the host to the device"),
+    (lambda: _SPD * torch.tensor(2.0).to(_SPD.device), "made on the host to the device"),
+    (lambda: _SPD.clone().copy_(torch.linspace(0, 1, 4)), "made on the host to the device"),
+    (lambda: _SPD.to("cpu"), r"copying a tensor to the host \(Tensor.to\('cpu'\)"),
+    (lambda: torch.isin(_LENGTHS, torch.arange(40, device=_SPD.device)), "isin against many.*assume_unique=True"),
 ])
 def test_ops_whose_device_kernels_read_on_the_host_are_refused(op, why):
     # On CPU these read their data inside ATen, out of the recorder's sight; a device capture fails on them.
@@ -242,7 +249,11 @@ def test_the_ex_variants_a_device_captures_are_accepted():
     for op in (lambda: torch.linalg.cholesky_ex(_SPD).L, lambda: torch.linalg.inv_ex(_SPD).inverse,
                lambda: torch.histc(_SPD, bins=4, min=0, max=5), lambda: torch.full((), 2.0, device=_SPD.device),
                lambda: _SPD * torch.tensor(2.0), lambda: _SPD * torch.tensor(2.0, device="cpu:0"),  # host scalars
-               lambda: torch.tensor((), device=_SPD.device), lambda: _SPD.new_tensor(_SPD[0])):  # nothing copied
+               lambda: torch.tensor((), device=_SPD.device), lambda: _SPD.new_tensor(_SPD[0]),  # nothing copied
+               lambda: torch.arange(4, device=_SPD.device) * _SPD, lambda: torch.arange(4).to("cpu"),
+               lambda: torch.zeros(4).to(torch.float64), lambda: _SPD.to(_SPD.device) * 2,
+               lambda: torch.isin(_LENGTHS, _LENGTHS[:2]),  # brute force below about 10 test elements
+               lambda: torch.isin(_LENGTHS, torch.arange(40, device=_SPD.device), assume_unique=True)):
         out, eager = _replayed(op)
         assert torch.equal(out, eager)
 

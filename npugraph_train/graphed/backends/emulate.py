@@ -34,7 +34,11 @@ What it models, as a device graph behaves:
   ``histc`` without a range, nested tensors built from a mask (``nn.TransformerEncoder``'s fast path) and
   ``pack_padded_sequence``. So does ``torch.tensor(...)``/``as_tensor`` of host data with at least one
   dimension, or with a ``device=`` other than ``"cpu"``, which on a device is a host-to-device copy that
-  breaks capture (0-dim host values pass: kernels take such scalars from the host at capture time).
+  breaks capture (0-dim host values pass: kernels take such scalars from the host at capture time). So does
+  copying to the device a tensor the capture made on the host (``torch.arange(n).to(x.device)``, also 0-dim),
+  copying a tensor to the host (``.to("cpu")``), and ``torch.isin`` against so many test elements that ATen
+  sorts their unique values. Where everything is on the CPU, a device named by a ``"cpu"`` string is taken as
+  the host and any other (``x.device``) as the device.
 - With ``auto_dispatch_capture=True``, ops with a registered handler
   (:mod:`npugraph_train.graphed.handlers`) are recorded with their host arguments, which ``update()``
   rewrites for the next replays, as torch_npu's NPUGraph update does.
@@ -43,8 +47,9 @@ What it models, as a device graph behaves:
 
 What it does not model: asynchrony and stream ordering (everything runs in order on the CPU), memory
 sharing between graphs of one pool (each capture keeps its own tensors alive), captures on other
-threads (``capture_error_mode`` is validated but other threads are not watched), ``.to("cpu")`` (a
-no-op on CPU tensors, a device-to-host copy on a device), device-specific kernel
+threads (``capture_error_mode`` is validated but other threads are not watched), host tensors made before
+the capture (a plain tensor attribute that ``module.to(device)`` leaves on the host, copied to the device in
+the forward), device-specific kernel
 limits (aclop-only ops, dynamic-shape kernels, stream budgets) and numerical differences between
 device kernels. A 0-dim CPU tensor
 used as an operand is read again by each replay, where a device kernel keeps its capture-time value. Code
@@ -60,6 +65,7 @@ import functools
 import itertools
 import threading
 import warnings
+import weakref
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Callable, ContextManager, Dict, Iterator, List, Optional, Tuple
@@ -140,14 +146,15 @@ _RNG_STATE_FUNCTIONS = ("get_rng_state", "set_rng_state", "manual_seed", "seed")
 
 @contextmanager
 def _rng_state_guard() -> Iterator[None]:
-    originals = {name: getattr(torch, name) for name in _RNG_STATE_FUNCTIONS}
-    for name, original in originals.items():
-        setattr(torch, name, _refuse_rng_state_during_capture(original))
+    # Under both of the names they are called by (torch.manual_seed, torch.random.manual_seed).
+    originals = {(where, name): getattr(where, name) for where in (torch, torch.random) for name in _RNG_STATE_FUNCTIONS}
+    for (where, name), original in originals.items():
+        setattr(where, name, _refuse_rng_state_during_capture(original))
     try:
         yield
     finally:
-        for name, original in originals.items():
-            setattr(torch, name, original)
+        for (where, name), original in originals.items():
+            setattr(where, name, original)
 
 
 class EmulatedStream:
@@ -196,20 +203,66 @@ def _tensors(tree: Any) -> List[torch.Tensor]:
 
 
 class _HostReadGuard(TorchFunctionMode):
-    """Catches tensor methods that copy data to the host without dispatching an ATen op."""
+    """Catches tensor methods that copy data to the host without dispatching an ATen op, and copies to the device
+    of tensors the capture made on the host."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._made_on_host: Dict[int, Any] = {}  # id: weak reference, of the tensors the capture made on the host
 
     def __torch_function__(self, func: Callable, types: Any, args: tuple = (), kwargs: Optional[dict] = None):
+        kwargs = kwargs or {}
         if func in _HOST_READ_METHODS:
             what = "printing a tensor" if func.__name__.startswith("__") else f"Tensor.{func.__name__}()"
             raise _capture_error(f"{what} reads tensor data on the host")
-        if _copies_host_data(func, args, kwargs or {}):
+        if _copies_host_data(func, args, kwargs):
             # Host data on the device: a copy that breaks capture (CUDA: pytorch#168991), also for one number.
             name = "Tensor.new_tensor" if func is torch.Tensor.new_tensor else f"torch.{func.__name__}"
             raise _capture_error(f"{name}(..., device=...) copies host data to the device (use torch.full(shape, "
                                  "value, device=...); a 0-dim host value takes device='cpu')")
+        self._check_copy(func, args, kwargs)
         if func is torch.nn.functional.one_hot:
-            return _one_hot(*args, **(kwargs or {}))
-        return func(*args, **(kwargs or {}))
+            return _one_hot(*args, **kwargs)
+        out = func(*args, **kwargs)
+        if func in _HOST_FACTORIES and _on_host(kwargs.get("device")) and isinstance(out, torch.Tensor):
+            self._made_on_host[id(out)] = weakref.ref(out)  # (a WeakSet would compare tensors with ==)
+        return out
+
+    def _on_host(self, t: torch.Tensor) -> bool:
+        made = self._made_on_host.get(id(t))
+        return made is not None and made() is t
+
+    def _check_copy(self, func: Callable, args: tuple, kwargs: dict) -> None:
+        # On the emulator every tensor is on the CPU: by the convention of _copies_host_data, a device given as
+        # a "cpu" string is the host, any other (x.device) the device.
+        if func is torch.Tensor.to and args:
+            target = kwargs.get("device", args[1] if len(args) > 1 else None)
+            if isinstance(target, torch.Tensor):
+                target = "cpu" if self._on_host(target) else target.device
+            if not isinstance(target, (str, torch.device)):
+                return  # .to(dtype): no copy between host and device
+            from_host, to_host = self._on_host(args[0]), _on_host(target)
+        elif func is torch.Tensor.copy_ and len(args) > 1:
+            from_host, to_host = self._on_host(args[1]) and args[1].dim() > 0, self._on_host(args[0])
+        else:
+            return
+        if from_host and not to_host:
+            raise _capture_error("copying a tensor made on the host to the device (torch.arange(n).to(x.device)) "
+                                 "waits for the host: make it on the device (torch.arange(n, device=x.device)) or "
+                                 "before the capture")
+        if to_host and not from_host:
+            raise _capture_error("copying a tensor to the host (Tensor.to('cpu'), a copy_ into a tensor made on the "
+                                 "host) reads its data on the host")
+
+
+# Factory functions, which make their tensor on the host unless given another device.
+_HOST_FACTORIES = {torch.arange, torch.ones, torch.zeros, torch.full, torch.empty, torch.linspace, torch.logspace,
+                   torch.rand, torch.randn, torch.randint, torch.randperm, torch.eye, torch.tensor, torch.as_tensor,
+                   torch.from_numpy}
+
+
+def _on_host(device: Any) -> bool:
+    return device is None or (isinstance(device, str) and device.split(":")[0] == "cpu")
 
 
 def _copies_host_data(func: Callable, args: tuple, kwargs: dict) -> bool:
@@ -290,7 +343,23 @@ def _hidden_host_read(func: Any, args: tuple, kwargs: dict) -> Optional[str]:
     if func.overloadpacket is aten.histc and _argument(func, args, kwargs, "min", 0) == _argument(
             func, args, kwargs, "max", 0):
         return "torch.histc with min == max (the default) reads the data's min and max on the host; pass a range"
+    if func.overloadpacket is aten.isin and _isin_sorts(func, args, kwargs):
+        return ("torch.isin against many test elements sorts their unique values (torch.unique, whose size is read "
+                "on the host); pass assume_unique=True if both hold unique values, or compare directly: "
+                "(elements.unsqueeze(-1) == test_elements.flatten()).any(-1)")
     return None
+
+
+def _isin_sorts(func: Any, args: tuple, kwargs: dict) -> bool:
+    # ATen's isin: brute force below 10 * numel(elements) ** 0.145 test elements, else sorting unique values
+    # (unless assume_unique). A Python number counts as one element.
+    if _argument(func, args, kwargs, "assume_unique", False):
+        return False
+    sizes = [v.numel() if isinstance(v, torch.Tensor) else 1
+             for v in (_argument(func, args, kwargs, name) for name in ("elements", "element", "test_elements",
+                                                                          "test_element"))
+             if v is not None]
+    return len(sizes) == 2 and sizes[0] > 0 and sizes[1] >= int(10.0 * sizes[0] ** 0.145)
 
 
 def _is_mask(index: Any) -> bool:
