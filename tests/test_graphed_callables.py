@@ -351,6 +351,28 @@ def test_same_module_twice_in_one_step_keeps_first_activations():
     assert "before the backward" in list(report["eager_calls"])[0]
 
 
+def test_a_cell_unrolled_in_a_loop_says_why_its_later_calls_run_eager():
+    cell = ng.make_graphed_callables(nn.Sequential(nn.Linear(4, 4), nn.Tanh()), (torch.zeros(3, 4),))
+    h = torch.zeros(3, 4)  # the first call's input needs no gradient; the later ones are outputs that do
+    for _ in range(3):
+        h = cell(h)
+    h.sum().backward()
+    reasons = ng.graphed_state(cell).report()["eager_calls"]
+    assert list(reasons.values()) == [2] and "called again in the same step" in list(reasons)[0]
+
+
+@pytest.mark.parametrize("where", ["graphed", "captured"])
+def test_batchnorm_with_a_cumulative_average_is_refused_by_name(where):
+    # momentum=None divides by num_batches_tracked read on the host, inside torch's own code
+    model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4, momentum=None))
+    with pytest.raises(ng.GraphCaptureError, match=r"in BatchNorm1d\(4, momentum=None\).*float momentum"):
+        if where == "graphed":
+            ng.make_graphed_callables(model, (torch.zeros(3, 4),))
+        else:
+            with ng.graph(ng.Graph()):
+                model(torch.zeros(3, 4))
+
+
 def test_eval_mode_runs_eager():
     model = ng.make_graphed_callables(nn.Sequential(nn.Linear(4, 4), nn.Dropout(0.5)), (torch.zeros(2, 4),))
     model.eval()

@@ -278,8 +278,10 @@ class GraphedCallable:
             narrower = next((k for k in self.signatures if serves(key, k)), None)
             if narrower is not None and len(self.signatures) >= self.max_signatures:
                 if self.signatures[narrower].backward_pending():
-                    return self._eager("inputs gained requires_grad while a backward of this module was pending",
-                                       args, kwargs)
+                    return self._eager("called with inputs that require grad where the captured call's did not "
+                                       "while a backward of this module was pending (called again in the same step on "
+                                       "an output that requires grad, as a cell unrolled in a loop is; or an upstream "
+                                       "module unfrozen mid-step)", args, kwargs)
                 # An upstream module was unfrozen: the new graphs serve the calls of the old ones too.
                 self._warn_recapture("inputs require grad now that did not at capture")
                 self.signatures.pop(narrower).release()

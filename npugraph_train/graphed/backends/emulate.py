@@ -63,6 +63,7 @@ from __future__ import annotations
 import copy
 import functools
 import itertools
+import sys
 import threading
 import warnings
 import weakref
@@ -121,9 +122,23 @@ _HOST_READ_METHODS = {torch.Tensor.tolist, torch.Tensor.numpy, torch.Tensor.__ar
 
 def _capture_error(what: str) -> GraphCaptureError:
     return GraphCaptureError(
-        f"{what} during graph capture at {user_source_line()}. A replayed graph runs without the host: it "
-        "cannot hand device data to it or take host data from it; move this out of the captured region, or "
-        "keep the value on the device (e.g. torch.where instead of a Python branch, a tensor made before capture).")
+        f"{what} during graph capture at {user_source_line()}{_torch_module_hint()}. A replayed graph runs without "
+        "the host: it cannot hand device data to it or take host data from it; move this out of the captured region, "
+        "or keep the value on the device (e.g. torch.where instead of a Python branch, a tensor made before capture).")
+
+
+def _torch_module_hint() -> str:
+    """Which torch module's own code did what the error says, where the user's line cannot show it."""
+    frame = sys._getframe(2)
+    while frame is not None:
+        module = frame.f_locals.get("self")
+        if (isinstance(module, torch.nn.modules.batchnorm._NormBase) and module.momentum is None
+                and frame.f_code.co_filename.endswith("batchnorm.py")):
+            return (f", in {type(module).__name__}({module.num_features}, momentum=None): a cumulative average reads "
+                    "num_batches_tracked on the host in every training call; give it a float momentum (the "
+                    "default is 0.1), or keep it eager")
+        frame = frame.f_back
+    return ""
 
 
 def _refuse_rng_state_during_capture(original: Callable) -> Callable:
