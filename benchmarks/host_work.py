@@ -112,11 +112,13 @@ class HandWholeStep(BenchModule):
         return self.static_loss.clone()
 
 
-def run_host_work(column: str, spec: ModelSpec, batches: List[Batch], device: Device, plan: StepPlan) -> RunResult:
-    """One ``Trainer.fit`` of ``plan.total_steps`` steps for ``column``, every graph replay stubbed out."""
+def run_host_work(column: str, spec: ModelSpec, batches: List[Batch], device: Device, plan: StepPlan,
+                  granularity: str = "model") -> RunResult:
+    """One ``Trainer.fit`` of ``plan.total_steps`` steps for ``column``, every graph replay stubbed out
+    (``granularity``: what ``lit_mgc`` and ``submodules`` graph, the whole model or each block)."""
     if column in ("lit_mgc", "submodules"):
         with replays_stubbed():
-            return run_lightning(column, spec, batches, device, plan)
+            return run_lightning(column, spec, batches, device, plan, granularity)
     result = RunResult(column, LABELS[column])
     device.clean()
     callbacks: List[Callback] = [StepTimer(plan, device)]

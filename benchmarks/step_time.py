@@ -202,7 +202,8 @@ def main(argv: List[str]) -> None:
     print(f"device: {meta['device']}; backend {device.name}; torch {meta['torch']}, lightning {meta['lightning']}; "
           f"{meta['date']}")
     print(f"sizes: {size}; {plan.head} untimed steps, then {plan.windows} windows x {plan.steps} steps "
-          f"(median of windows); capture after {plan.graph_warmup} eager steps")
+          f"(median of windows); capture after {plan.graph_warmup} eager steps; graphed callables per "
+          f"{'block' if args.granularity == 'blocks' else 'model'}")
     if device.is_emulator and not args.host_work:  # host work is the CPU's own on any backend
         print(EMULATOR_NOTE)
     sys.stdout.flush()
@@ -267,7 +268,8 @@ def run_sweep(args: argparse.Namespace, device: Device, plan: StepPlan, size: st
 
 def run_host_work_column(column: str, spec: Any, batches: Any, device: Device, plan: StepPlan,
                          granularity: str) -> RunResult:
-    return guarded(column, HOST_WORK_LABELS[column], lambda: run_host_work(column, spec, batches, device, plan))
+    return guarded(column, HOST_WORK_LABELS[column],
+                   lambda: run_host_work(column, spec, batches, device, plan, granularity))
 
 
 def run_host_work_tables(args: argparse.Namespace, device: Device, plan: StepPlan, models: List[str],
