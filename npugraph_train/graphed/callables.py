@@ -307,7 +307,7 @@ class GraphedCallable:
                                args, kwargs)
         if update is not None:
             sig.update(update)
-        self.stats[key].replays += 1
+        sig.stats.replays += 1
         needs_grad = torch.is_grad_enabled() and (any(flags) or any(
             isinstance(t, torch.Tensor) and t.requires_grad for t in flat))
         out = sig(flat, needs_grad)

@@ -210,6 +210,9 @@ class CapturedSignature:
         self.accumulators: List[Any] = []  # per surface tensor: (a parameter, its AccumulateGrad node), else None
         self.probe: Optional[Tuple[int, Any]] = None  # one parameter's (position, node): see _aliases_reach_grad
         self.function: Any = None
+        self.stats: Optional[SignatureStats] = None  # its row of the owner's report, once registered
+        self.non_differentiable: Tuple[int, ...] = ()  # positions of outputs that do not require grad
+        self.one_output = False
         self.attributes: Optional[StateAttributes] = None  # attributes the forward only writes, if any
         # Attributes bound to tensors the captured forward read: (name, holder dict, key, tensor).
         self.read_bindings: List[Tuple[str, Dict[str, Any], str, torch.Tensor]] = []
@@ -340,6 +343,9 @@ class CapturedSignature:
                                     f"tuples/lists/dicts of them), got {', '.join(bad)}")
         self.none_outputs = tuple(i for i, o in enumerate(flat) if o is None)
         self.static_outputs = tuple(o for o in flat if o is not None)
+        self.non_differentiable = tuple(i for i, o in enumerate(self.static_outputs) if not o.requires_grad)
+        # a lone tensor: no pytree to rebuild on each call
+        self.one_output = self.output_spec.is_leaf() and not self.none_outputs
         # Outputs the backward graph reads (a sigmoid's, say): an in-place edit of one before the backward
         # changes the gradients, which eager autograd refuses through version counters; so is it here.
         # Only storages still alive: on a device, a freed one's memory may be reused by an output.
@@ -433,7 +439,8 @@ class CapturedSignature:
                 ctx.handles, ctx.upstream = RemovableHandle.next_id, [t.grad_fn for t in inputs[:num_user]]
                 ctx.in_checkpoint = in_checkpoint_forward()
                 outputs = tuple(o.detach() for o in sig.static_outputs)
-                ctx.mark_non_differentiable(*(o for o, s in zip(outputs, sig.static_outputs) if not s.requires_grad))
+                if sig.non_differentiable:
+                    ctx.mark_non_differentiable(*(outputs[i] for i in sig.non_differentiable))
                 return outputs
 
             @staticmethod
@@ -479,7 +486,8 @@ class CapturedSignature:
                 # The signatures of one callable share its gradient buffers: while another one's backward is still
                 # to run (two calls of other shapes, a multi-crop step), its replay would overwrite an alias the
                 # engine has not yet added to .grad, so this one hands over copies.
-                shared = any(other is not sig and other.backward_pending() for other in sig.owner.signatures.values())
+                shared = len(sig.owner.signatures) > 1 and any(
+                    other is not sig and other.backward_pending() for other in sig.owner.signatures.values())
                 return sig.returned_grads(ctx.needs_input_grad, shared, ctx.upstream)
 
         _graphed_nodes.add(Graphed._backward_cls)
@@ -510,7 +518,8 @@ class CapturedSignature:
                 g.update(per_graph[phase])
 
     def __call__(self, flat_args: List[Optional[torch.Tensor]], needs_grad: bool) -> Any:
-        inputs = unique_tensors(flat_args)
+        inputs = flat_args if len(flat_args) == 1 and isinstance(flat_args[0], torch.Tensor) else unique_tensors(
+            flat_args)
         if needs_grad:
             out = list(self.function.apply(*inputs, *self.owner.params))
         else:
@@ -519,6 +528,8 @@ class CapturedSignature:
             with torch.no_grad():  # the static inputs may require grad (graphs that serve training calls too)
                 self.replay_forward(inputs)
             out = [o.detach().clone() for o in self.static_outputs]
+        if self.one_output:
+            return out[0]
         for position in self.none_outputs:
             out.insert(position, None)
         return tree_unflatten(out, self.output_spec)
@@ -689,7 +700,7 @@ def capture_signatures(sigs: Sequence[CapturedSignature], key_of: Dict[int, Sign
         s.owner.settings = s.owner.module_settings.read()  # as the capture left them: a forward may set some
         pool_bytes = [g.pool_bytes() for g in (s.fwd_graph, s.bwd_graph)]
         earlier = s.owner.stats.get(key)  # captured before, then dropped (requires_grad changed)
-        s.owner.stats[key] = SignatureStats(
+        s.stats = s.owner.stats[key] = SignatureStats(
             describe_signature(key), replays=earlier.replays if earlier else 0,
             capture_seconds=seconds[id(s)] + (earlier.capture_seconds if earlier else 0.0),
             pool_bytes=None if pool_bytes[0] is None else sum(b or 0 for b in pool_bytes),
