@@ -10,7 +10,7 @@
 #   2. device parity and host-read tests on every backend there             TESTS_S=120
 #   3. step-time table, all columns incl. torch.compile, JSON per model     TABLE_S=240
 #   4. scaling sweep: batch size, number of graphed modules                  SWEEP_S=120
-#   5. host work per step with replays stubbed out (mlp, tf)                 HOST_S=60
+#   5. host work per step with replays stubbed out (mlp, tf; mlp per block)  HOST_S=60
 #   6. the whole CPU suite under this machine's torch (needs omegaconf)      SUITE_S=0
 #
 # Nothing is installed into the machine's environment: npugraph_train is imported from this source tree.
@@ -59,7 +59,8 @@ for mod in ('omegaconf', 'hydra'):
 stage devices "${TESTS_S:-120}" "$py" -m pytest -q -s -p no:cacheprovider tests/test_devices.py tests/test_host_reads.py
 stage table "${TABLE_S:-240}" "$py" benchmarks/step_time.py --compile --json "$out/table.json"
 stage sweep "${SWEEP_S:-120}" "$py" benchmarks/step_time.py --sweep --json "$out/sweep.json"
-stage host_work "${HOST_S:-60}" "$py" benchmarks/step_time.py --host-work --models mlp,tf --repeats 2 \
-  --json "$out/host_work.json"
+stage host_work "${HOST_S:-60}" bash -c "$py benchmarks/step_time.py --host-work --models mlp,tf --repeats 2 \
+  --json $out/host_work.json && $py benchmarks/step_time.py --host-work --models mlp --granularity blocks \
+  --json $out/host_work_blocks.json"
 stage suite "${SUITE_S:-0}" "$py" -m pytest -q -p no:cacheprovider
 exit $status
