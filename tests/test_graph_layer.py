@@ -235,6 +235,7 @@ _LENGTHS = torch.tensor([4, 3, 2, 1])
     (lambda: torch.arange(4).to(_SPD.device) * _SPD, r"made on the host to the device.*torch.arange\(n, device="),
     (lambda: torch.ones(4, device="cpu").to(device=_SPD.device), "made on the host to the device"),
     (lambda: _SPD * torch.tensor(2.0).to(_SPD.device), "made on the host to the device"),
+    (lambda: torch.ones(4, 4).tril().to(_SPD.device), "made on the host to the device"),  # made from one
     (lambda: _SPD.clone().copy_(torch.linspace(0, 1, 4)), "made on the host to the device"),
     (lambda: _SPD.to("cpu"), r"copying a tensor to the host \(Tensor.to\('cpu'\)"),
     (lambda: torch.isin(_LENGTHS, torch.arange(40, device=_SPD.device)), "isin against many.*assume_unique=True"),
@@ -252,6 +253,7 @@ def test_the_ex_variants_a_device_captures_are_accepted():
                lambda: torch.tensor((), device=_SPD.device), lambda: _SPD.new_tensor(_SPD[0]),  # nothing copied
                lambda: torch.arange(4, device=_SPD.device) * _SPD, lambda: torch.arange(4).to("cpu"),
                lambda: torch.zeros(4).to(torch.float64), lambda: _SPD.to(_SPD.device) * 2,
+               lambda: torch.as_tensor(_SPD).to(_SPD.device), lambda: torch.as_tensor(_SPD, dtype=torch.float64),
                lambda: torch.isin(_LENGTHS, _LENGTHS[:2]),  # brute force below about 10 test elements
                lambda: torch.isin(_LENGTHS, torch.arange(40, device=_SPD.device), assume_unique=True)):
         out, eager = _replayed(op)

@@ -119,8 +119,10 @@ class _InPlaceState(nn.Module):
         self.frozen = nn.Parameter(torch.zeros(4), requires_grad=False)
         self.others = [outside]  # another module's buffer
         self.emb = nn.Embedding(10, 4, max_norm=1.0)  # renormalises the rows it looks up, in place
+        self.running = [torch.zeros(4), torch.ones(4)]  # batch-norm statistics in a list (no schema marks the write)
 
     def forward(self, x, ids):
+        x = nn.functional.batch_norm(x, *self.running, training=True)
         with torch.no_grad():
             self.avg.mul_(0.5).add_(x.mean(0), alpha=0.5)
             self.stats["calls"].add_(1)
@@ -151,8 +153,47 @@ def test_warmup_writes_are_undone_wherever_the_state_is_held():
     for (name, a), b in zip(eager.state_dict().items(), graphed.state_dict().values()):
         assert torch.equal(a, b), name
     for a, b in ((eager.avg, graphed.avg), (eager.stats["calls"], graphed.stats["calls"]),
-                 (eager.others[0].count, graphed.others[0].count), (eager.lin.weight.grad, graphed.lin.weight.grad)):
+                 (eager.others[0].count, graphed.others[0].count), (eager.lin.weight.grad, graphed.lin.weight.grad),
+                 *zip(eager.running, graphed.running)):
         assert torch.equal(a, b)
+
+
+def test_a_capture_failing_after_warmup_grew_a_tensor_still_puts_the_rest_back():
+    class Grows(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin, self.bn, self.scratch = nn.Linear(4, 4), nn.BatchNorm1d(4), torch.zeros(2)
+
+        def forward(self, x):
+            y = self.lin(x)
+            self.scratch.resize_(y.shape).copy_(y.detach())  # grown in place: no undo for its contents
+            return self.bn(y) if self.bn.num_batches_tracked < 5 else y  # a host read: capture fails
+
+    model = Grows()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(ng.GraphCaptureError, match="reading a tensor's value on the host"):
+        ng.make_graphed_callables(model, (torch.randn(3, 4),))
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+
+
+def test_graphed_callables_dropped_without_ungraph_are_freed():
+    import gc
+    import weakref
+
+    def graphed_and_dropped(fails: bool):
+        first, second = nn.Linear(4, 4), nn.Linear(4, 4)
+        if fails:
+            first.forward = lambda x: nn.Linear.forward(first, x) * float(x.sum())  # a host read: capture fails
+            with pytest.raises(ng.GraphCaptureError):
+                ng.make_graphed_callables((first, second), ((torch.zeros(2, 4),), (torch.zeros(2, 4),)))
+        else:
+            ng.make_graphed_callables((first, second), ((torch.zeros(2, 4),), (torch.zeros(2, 4),)))
+            (first(torch.randn(2, 4)).sum() + second(torch.randn(2, 4)).sum()).backward()
+        return weakref.ref(first), weakref.ref(second)
+
+    refs = [ref for fails in (False, True) for ref in graphed_and_dropped(fails)]
+    gc.collect()
+    assert [ref() for ref in refs] == [None] * 4
 
 
 @pytest.mark.parametrize("error", [ValueError, KeyboardInterrupt])
@@ -184,6 +225,7 @@ def test_warmup_leaves_no_trace_when_the_forward_raises_anything(error):
         ng.make_graphed_callables(model, (torch.randn(8, 4), torch.arange(8)))
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
     assert not model.avg.any() and not model.stats["calls"] and not model.others[0].count
+    assert not model.running[0].any() and model.running[1].eq(1).all()
 
 
 def test_signatures_captured_while_frozen_still_train_after_unfreezing():

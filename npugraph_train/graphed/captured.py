@@ -26,8 +26,9 @@ from .errors import GraphCaptureError, GraphStateError
 from .graphs import Graph, graph
 from .host_random import HostRandom
 from .signatures import Signature, describe_signature, unique_tensors
-from .state_attributes import (MODULE_INTERNALS, SCALAR_TYPES, StateAttributes, StorageReads, WarmupWrites,
-                               attribute_path, carried_state_message, storage_address, tensors_in)
+from .state_attributes import (MODULE_INTERNALS, SCALAR_TYPES, StateAttributes, StorageReads, attribute_path,
+                               carried_state_message, storage_address, tensors_in)
+from .write_log import WarmupWrites
 
 if TYPE_CHECKING:
     from .callables import GraphedCallable
@@ -72,8 +73,8 @@ def _returned_grads(statics: Sequence[Optional[torch.Tensor]], accumulators: Seq
     return tuple(returned)
 
 
-# The autograd node classes of graphed calls' outputs (each context is its node).
-_graphed_nodes: set = set()
+class GraphedCall(torch.autograd.Function):
+    """The base of every signature's autograd Function, which tells their nodes (each context is its node)."""
 
 
 def _feeds_graph(node: Any, handles: int) -> bool:
@@ -81,7 +82,8 @@ def _feeds_graph(node: Any, handles: int) -> bool:
     whose backward copies the gradient in and keeps nothing, and no hook that could keep it was registered on
     it or its tensors since it was made (no hook was registered anywhere: every registration takes a handle id).
     A ``retain_grad()`` or ``.backward(inputs=...)`` on its tensor stores a copy anyway."""
-    return type(node) in _graphed_nodes and node.handles == handles
+    forward_cls = type(node).__dict__.get("_forward_cls")  # (a class attribute of Python Functions' nodes)
+    return forward_cls is not None and issubclass(forward_cls, GraphedCall) and node.handles == handles
 
 
 def _aliases_reach_grad(probe: Optional[Tuple[int, Any]], needed: Sequence[bool]) -> bool:
@@ -429,7 +431,7 @@ class CapturedSignature:
         num_user = len(self.static_inputs)
         pool_order = self.pool_order
 
-        class Graphed(torch.autograd.Function):
+        class Graphed(GraphedCall):
             @staticmethod
             def forward(ctx: Any, *inputs: torch.Tensor) -> Tuple[torch.Tensor, ...]:
                 sig.replay_forward(inputs[:num_user])
@@ -490,13 +492,10 @@ class CapturedSignature:
                     other is not sig and other.backward_pending() for other in sig.owner.signatures.values())
                 return sig.returned_grads(ctx.needs_input_grad, shared, ctx.upstream)
 
-        _graphed_nodes.add(Graphed._backward_cls)
         return Graphed
 
     def release(self) -> None:
         self.pool_order.pending.pop(id(self), None)
-        if self.function is not None:
-            _graphed_nodes.discard(self.function._backward_cls)
         self.fwd_graph.reset()
         self.bwd_graph.reset()
         self.released = True
@@ -660,7 +659,7 @@ def capture_signatures(sigs: Sequence[CapturedSignature], key_of: Dict[int, Sign
             with reads:
                 for current in sigs:
                     timed(current, current.capture_forward)
-            writes.undo(only=reads.written)  # replays write them once per call, as eager would
+            writes.log.undo(only=reads.written)  # replays write them once per call, as eager would
             for current in sigs:
                 kept = attributes.get(id(current.owner))
                 carried = kept.carried(list(current.static_outputs), current.static_inputs) if kept is not None else []
@@ -676,12 +675,12 @@ def capture_signatures(sigs: Sequence[CapturedSignature], key_of: Dict[int, Sign
             for current in reversed(sigs):
                 timed(current, current.capture_backward)
     except BaseException as exc:  # Ctrl-C or any error in a user's forward: warmup must leave no trace either
+        notes = []
         try:
-            writes.undo()
+            writes.log.undo()
             restore()
-        except Exception as undo:  # the original error is the one to see (add_note: Python 3.11+)
-            getattr(exc, "add_note", lambda note: None)(
-                f"npugraph_train could not undo the warmup: {type(undo).__name__}: {undo}")
+        except Exception as undo:  # the original error is the one to see
+            notes.append(f"npugraph_train could not undo the warmup: {type(undo).__name__}: {undo}")
         finally:
             for owner, settings in zip(owners, settings_before):
                 owner.module_settings.put_back(settings)
@@ -689,11 +688,14 @@ def capture_signatures(sigs: Sequence[CapturedSignature], key_of: Dict[int, Sign
                 for g in (s.fwd_graph, s.bwd_graph):
                     if g.is_captured:
                         g.reset()
-        if not isinstance(exc, Exception):
-            raise
         kind = "" if isinstance(exc, RuntimeError) else f"{type(exc).__name__}: "  # a ValueError in the forward
-        raise GraphCaptureError(f"capturing {current.owner.name} failed: {kind}{exc}",
-                                module_name=current.owner.name) from exc
+        error = exc if not isinstance(exc, Exception) else GraphCaptureError(
+            f"capturing {current.owner.name} failed: {kind}{exc}", module_name=current.owner.name)
+        for note in notes:
+            getattr(error, "add_note", lambda note: None)(note)  # (Python 3.11+)
+        if error is exc:
+            raise
+        raise error from exc
     for s in sigs:
         key = key_of[id(s)]
         s.owner.signatures[key] = s

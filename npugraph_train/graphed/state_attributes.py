@@ -96,6 +96,16 @@ def storage_address(t: torch.Tensor) -> Optional[int]:
         return None
 
 
+def storage_key(t: torch.Tensor) -> Optional[int]:
+    """The identity of ``t``'s storage (of an empty one too, unlike its address), or None where it has none."""
+    if not torch._C._has_storage(t) or t.layout != torch.strided:
+        return None
+    try:
+        return t.untyped_storage()._cdata
+    except RuntimeError:
+        return None
+
+
 def carried_state_message(who: str, unit: str, names: List[str], fixes: str) -> str:
     """Why ``who`` (a module's forward, ``training_step``) cannot be captured with state kept in ``names``."""
     shown = ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
@@ -129,18 +139,29 @@ def scalar_changed(before: Any, now: Any) -> bool:
         return True
 
 
+# Ops that write arguments their schema does not mark as written (argument positions).
+UNANNOTATED_WRITES = {torch.ops.aten.native_batch_norm.default: (3, 4)}
+
+
+def writes_in_place(func: Any) -> bool:
+    return func in UNANNOTATED_WRITES or func._schema.is_mutable
+
+
 def written_tensors(func: Any, args: tuple, kwargs: Optional[dict]) -> List[torch.Tensor]:
-    """The tensors an op writes in place (``add_``'s self, an ``out=`` argument, ``_foreach_add_``'s lists)."""
+    """The tensors an op writes in place (``add_``'s self, an ``out=`` argument, ``_foreach_add_``'s lists,
+    ``native_batch_norm``'s running statistics)."""
+    if not writes_in_place(func):
+        return []
+    hidden = UNANNOTATED_WRITES.get(func, ())
     written: List[torch.Tensor] = []
-    if func._schema.is_mutable:
-        for i, argument in enumerate(func._schema.arguments):
-            if argument.alias_info is not None and argument.alias_info.is_write:
-                written += tensors_in(args[i] if i < len(args) else (kwargs or {}).get(argument.name))
+    for i, argument in enumerate(func._schema.arguments):
+        if i in hidden or (argument.alias_info is not None and argument.alias_info.is_write):
+            written += tensors_in(args[i] if i < len(args) else (kwargs or {}).get(argument.name))
     return written
 
 
 class StorageReads(TorchDispatchMode):
-    """The storages that the captured ops take as inputs, and those they write in place."""
+    """The storages that the captured ops take as inputs (addresses), and those they write in place (keys)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -151,36 +172,8 @@ class StorageReads(TorchDispatchMode):
         for leaf in tree_flatten((args, kwargs))[0]:
             if isinstance(leaf, torch.Tensor):
                 self.read.add(storage_address(leaf))
-        self.written.update(map(storage_address, written_tensors(func, args, kwargs)))
+        self.written.update(map(storage_key, written_tensors(func, args, kwargs)))
         return func(*args, **(kwargs or {}))
-
-
-class WarmupWrites(TorchDispatchMode):
-    """The tensors that eager calls (a capture's warmup) write in place but did not make, wherever they are held
-    (a plain tensor attribute, a dict, a frozen parameter, another module's buffer), with their contents before
-    the first write: what :meth:`undo` puts back."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self._made: set = set()  # storages of the tensors the calls' ops made
-        self._saved: Dict[int, Tuple[Any, Any]] = {}  # storage address: (storage, its contents before)
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
-        for t in written_tensors(func, args, kwargs):
-            address = storage_address(t)
-            if address is not None and address not in self._made and address not in self._saved:
-                storage = t.untyped_storage()
-                self._saved[address] = (storage, storage.clone())
-        out = func(*args, **(kwargs or {}))
-        if not any(r.alias_info is not None for r in func._schema.returns):  # new tensors, not views or self
-            self._made.update(storage_address(t) for t in tensors_in(out))
-        return out
-
-    def undo(self, only: Optional[set] = None) -> None:
-        """Put back what was written (only to the storages in ``only``, if given)."""
-        for address, (storage, before) in self._saved.items():
-            if only is None or address in only:
-                storage.copy_(before)
 
 
 class StateAttributes:

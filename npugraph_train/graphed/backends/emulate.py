@@ -78,7 +78,9 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from ..errors import GraphCaptureError
 from ..handlers import DispatchRecord, apply_update, handler_for
+from ..state_attributes import storage_key, writes_in_place, written_tensors
 from ..user_code import user_source_line
+from ..write_log import WriteLog
 from .base import Backend
 
 _pool_ids = itertools.count(1)
@@ -113,8 +115,6 @@ _HIDDEN_HOST_READS = {
                                 "fixed length and mask instead, or pack outside the graph",
 }
 _HOST_DATA_OPS = {torch.ops.aten.lift_fresh.default, torch.ops.aten.lift_fresh_copy.default}
-# Ops that write arguments their schema does not mark as written (argument positions).
-_UNANNOTATED_WRITES = {torch.ops.aten.native_batch_norm.default: (3, 4)}
 # Tensor methods that read data on the host without dispatching an ATen op (printing disables modes).
 _HOST_DATA_FUNCTIONS = {torch.tensor, torch.as_tensor, torch.asarray}
 _HOST_READ_METHODS = {torch.Tensor.tolist, torch.Tensor.numpy, torch.Tensor.__array__, torch.Tensor.__repr__,
@@ -239,11 +239,20 @@ class _HostReadGuard(TorchFunctionMode):
         if func is torch.nn.functional.one_hot:
             return _one_hot(*args, **kwargs)
         out = func(*args, **kwargs)
-        if func in _HOST_FACTORIES and _on_host(kwargs.get("device")) and isinstance(out, torch.Tensor):
-            self._made_on_host[id(out)] = weakref.ref(out)  # (a WeakSet would compare tensors with ==)
+        if self._host_made(func, args, kwargs):
+            for t in _tensors(out):
+                self._made_on_host[id(t)] = weakref.ref(t)  # (a WeakSet would compare tensors with ==)
         return out
 
-    def _on_host(self, t: torch.Tensor) -> bool:
+    def _host_made(self, func: Callable, args: tuple, kwargs: dict) -> bool:
+        """Whether ``func`` makes its result on the host: a factory given no device (or a "cpu" string) and no
+        tensor to take one from, or any function of tensors made on the host alone (``torch.ones(n, n).tril()``)."""
+        tensors = _tensors((args, kwargs)) if self._made_on_host or func in _HOST_FACTORIES else []
+        if func in _HOST_FACTORIES:
+            return _on_host(kwargs.get("device")) and not tensors  # torch.as_tensor(t) keeps t's device
+        return bool(tensors) and all(map(self._is_host_tensor, tensors))
+
+    def _is_host_tensor(self, t: torch.Tensor) -> bool:
         made = self._made_on_host.get(id(t))
         return made is not None and made() is t
 
@@ -253,12 +262,12 @@ class _HostReadGuard(TorchFunctionMode):
         if func is torch.Tensor.to and args:
             target = kwargs.get("device", args[1] if len(args) > 1 else None)
             if isinstance(target, torch.Tensor):
-                target = "cpu" if self._on_host(target) else target.device
+                target = "cpu" if self._is_host_tensor(target) else target.device
             if not isinstance(target, (str, torch.device)):
                 return  # .to(dtype): no copy between host and device
-            from_host, to_host = self._on_host(args[0]), _on_host(target)
+            from_host, to_host = self._is_host_tensor(args[0]), _on_host(target)
         elif func is torch.Tensor.copy_ and len(args) > 1:
-            from_host, to_host = self._on_host(args[1]) and args[1].dim() > 0, self._on_host(args[0])
+            from_host, to_host = self._is_host_tensor(args[1]) and args[1].dim() > 0, self._is_host_tensor(args[0])
         else:
             return
         if from_host and not to_host:
@@ -448,8 +457,7 @@ class EmulatedGraph:
         self._ops = []
         self.update_records = []
         self.captured_bytes = 0
-        self._born: set = set()
-        self._saved: dict = {}  # storage key -> (storage, copy of its contents before capture)
+        self._writes = WriteLog()  # tensors from before the capture that it writes, with their contents before
         self._rng_state = torch.get_rng_state()
         self._generators: Dict[int, Tuple[torch.Generator, torch.Tensor]] = {}  # explicit ones: state at first use
         _local.capture_stream = _current_stream()
@@ -463,7 +471,7 @@ class EmulatedGraph:
         self._modes = ()
         _local.capture_stream = None
         with torch.no_grad(), _disable_current_modes():
-            for storage, saved in self._saved.values():
+            for storage, saved in self._writes.saved.values():
                 if storage.nbytes() == saved.nbytes():
                     storage.copy_(saved)
                 else:  # resized by an out= op: new memory from the pool on a device, unset until a replay
@@ -478,7 +486,7 @@ class EmulatedGraph:
         torch.set_rng_state(self._rng_state)
         for generator, state in self._generators.values():
             generator.set_state(state)
-        self._saved, self._born, self._generators = {}, set(), {}
+        self._writes, self._generators = WriteLog(), {}
 
     def _before_op(self, func: Any, args: tuple, kwargs: dict) -> None:
         # Snapshot tensors from before the capture that this op writes, so capture_end can undo it.
@@ -493,16 +501,7 @@ class EmulatedGraph:
                     and value._cdata not in self._generators):
                 with _disable_current_modes():
                     self._generators[value._cdata] = (value, value.get_state())
-        hidden = _UNANNOTATED_WRITES.get(func, ())
-        for index, (arg, value) in enumerate(zip(schema_args, values)):
-            if index not in hidden and (arg.alias_info is None or not arg.alias_info.is_write):
-                continue
-            for t in _tensors(value):
-                key = _storage_key(t)
-                if key not in self._born and key not in self._saved:
-                    storage = t.untyped_storage()
-                    with _disable_current_modes():
-                        self._saved[key] = (storage, storage.clone())
+        self._writes.before_write(written_tensors(func, args, kwargs))
 
     def _record_updatable(self, func: Any, args: tuple, kwargs: dict, handler: Any) -> Any:
         actual, args, kwargs = handler.prepare_capture(func, args, kwargs)
@@ -526,8 +525,7 @@ class EmulatedGraph:
 
     def _record(self, func: Any, args: tuple, kwargs: dict, out: Any, call: Callable[[], Any]) -> None:
         schema = func._schema
-        writes = func in _UNANNOTATED_WRITES or any(
-            a.alias_info is not None and a.alias_info.is_write for a in schema.arguments)
+        writes = writes_in_place(func)
         # Returns without alias annotation are fresh tensors, except where an op returns a view without
         # saying so in its schema (e.g. _unsafe_view): those share an input's storage.
         inputs = {_storage_key(t) for t in _tensors((args, kwargs))}
@@ -541,9 +539,9 @@ class EmulatedGraph:
             # side effect) replay; the profiler's record_function markers around optimizer steps do not.
             return
         for n in kept:
-            key = _storage_key(returned[n])
-            if key not in self._born:
-                self._born.add(key)
+            key = storage_key(returned[n])
+            if key is not None and key not in self._writes.made:
+                self._writes.made.add(key)
                 self.captured_bytes += returned[n].untyped_storage().nbytes()
         # Aliases with the outputs' shapes as produced: code may change a tensor's view in place afterwards
         # (GRU's batch_first output.transpose_), which a replayed op's result must not follow.
