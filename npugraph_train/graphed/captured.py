@@ -660,6 +660,7 @@ def capture_signatures(sigs: Sequence[CapturedSignature], key_of: Dict[int, Sign
                 for current in sigs:
                     timed(current, current.capture_forward)
             writes.log.undo(only=reads.written)  # replays write them once per call, as eager would
+            backend.synchronize()  # those copies read saved contents that are freed on return
             for current in sigs:
                 kept = attributes.get(id(current.owner))
                 carried = kept.carried(list(current.static_outputs), current.static_inputs) if kept is not None else []
@@ -679,6 +680,7 @@ def capture_signatures(sigs: Sequence[CapturedSignature], key_of: Dict[int, Sign
         try:
             writes.log.undo()
             restore()
+            backend.synchronize()
         except Exception as undo:  # the original error is the one to see
             notes.append(f"npugraph_train could not undo the warmup: {type(undo).__name__}: {undo}")
         finally:
