@@ -184,6 +184,22 @@ def test_eager_fallback_in_training_warns_once():
     assert fallbacks[0].filename.endswith("lightning_models.py")  # the user's line that called the block
 
 
+def test_modules_never_called_in_training_are_named_in_one_warning():
+    class WithCopy(Regressor):  # an EMA-style copy of the blocks, never called in training_step
+        def __init__(self):
+            super().__init__(depth=3)
+            self.ema_blocks = nn.ModuleList([Block(8) for _ in range(3)])
+
+    callback = NPUGraphCallback(warmup_steps=2)
+    torch.manual_seed(0)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer([callback], max_steps=6).fit(WithCopy(), loaders()[0])
+    uncalled = [str(w.message) for w in caught if "not called during the recording step" in str(w.message)]
+    assert len(uncalled) == 1 and "ema_blocks.0, ema_blocks.1, ema_blocks.2 were not called" in uncalled[0]
+    assert [r["replays"] for r in callback.report()] == [4, 4, 4, 0, 0, 0]
+
+
 class TestModuleSelection:
     def test_patterns_add_unmarked_modules(self):
         callback = NPUGraphCallback(modules=["head"], warmup_steps=2)

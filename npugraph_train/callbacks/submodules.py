@@ -141,9 +141,13 @@ class SubmoduleGrapher:
         called in (the precision plugin's, or the user's own autocast around it): modules called under the same
         state share a pool."""
         self.captured = True
-        for name in dict(self.modules):
-            if name not in self._samples:
-                self._fail(name, "not called during the recording step (runs eager)")
+        uncalled = [name for name in dict(self.modules) if name not in self._samples]
+        if uncalled:  # one warning for all (the blocks of an EMA copy of the model, say)
+            shown = ", ".join(uncalled[:6]) + (f" and {len(uncalled) - 6} more" if len(uncalled) > 6 else "")
+            rank_zero_warn(f"NPUGraphCallback: {shown} {'was' if len(uncalled) == 1 else 'were'} not called during "
+                           "the recording step (run eager)")
+        for name in uncalled:
+            self._fail(name, "not called during the recording step (runs eager)", warn=False)
         groups: Dict[Tuple[bool, torch.dtype], List[str]] = {}
         for name in self._order:
             groups.setdefault(self._autocast[name], []).append(name)
@@ -192,9 +196,10 @@ class SubmoduleGrapher:
             if update is not None:
                 state.update(update)
 
-    def _fail(self, name: str, why: str) -> None:
+    def _fail(self, name: str, why: str, warn: bool = True) -> None:
         self.status[name] = why
-        rank_zero_warn(f"NPUGraphCallback: {name} {why}")
+        if warn:
+            rank_zero_warn(f"NPUGraphCallback: {name} {why}")
         reason = why.split(",")[0].split(" (")[0]
         counts = self._eager_counts[name] = Counter()
 
