@@ -236,6 +236,7 @@ _LENGTHS = torch.tensor([4, 3, 2, 1])
     (lambda: torch.ones(4, device="cpu").to(device=_SPD.device), "made on the host to the device"),
     (lambda: _SPD * torch.tensor(2.0).to(_SPD.device), "made on the host to the device"),
     (lambda: torch.ones(4, 4).tril().to(_SPD.device), "made on the host to the device"),  # made from one
+    (lambda: torch.as_tensor(torch.arange(4), dtype=torch.float64).to(_SPD.device), "made on the host to the"),
     (lambda: _SPD.clone().copy_(torch.linspace(0, 1, 4)), "made on the host to the device"),
     (lambda: _SPD.to("cpu"), r"copying a tensor to the host \(Tensor.to\('cpu'\)"),
     (lambda: torch.isin(_LENGTHS, torch.arange(40, device=_SPD.device)), "isin against many.*assume_unique=True"),
@@ -254,6 +255,8 @@ def test_the_ex_variants_a_device_captures_are_accepted():
                lambda: torch.arange(4, device=_SPD.device) * _SPD, lambda: torch.arange(4).to("cpu"),
                lambda: torch.zeros(4).to(torch.float64), lambda: _SPD.to(_SPD.device) * 2,
                lambda: torch.as_tensor(_SPD).to(_SPD.device), lambda: torch.as_tensor(_SPD, dtype=torch.float64),
+               lambda: torch.zeros_like(torch.arange(4.0), device=_SPD.device).copy_(_SPD[0]),  # told the device
+               lambda: torch.arange(4.0).new_zeros(4, device=_SPD.device).copy_(_SPD[0]),
                lambda: torch.isin(_LENGTHS, _LENGTHS[:2]),  # brute force below about 10 test elements
                lambda: torch.isin(_LENGTHS, torch.arange(40, device=_SPD.device), assume_unique=True)):
         out, eager = _replayed(op)
@@ -301,6 +304,18 @@ def test_device_side_asserts_are_replayed():
     x.fill_(-1.0)
     with pytest.raises(RuntimeError, match="x must be positive"):
         g.replay()
+
+
+def test_two_storages_over_one_memory_are_put_back_once():
+    p = torch.zeros(4)
+    q = torch.from_numpy(p.numpy())  # the same memory through another storage
+    g = ng.Graph()
+    with ng.graph(g):
+        p.add_(1)
+        q.mul_(2)
+    assert torch.equal(p, torch.zeros(4)), "capture changes nothing"
+    g.replay()
+    assert torch.equal(p, torch.full((4,), 2.0))
 
 
 def test_empty_outputs_and_out_tensors_that_grow():

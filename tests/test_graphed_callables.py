@@ -158,6 +158,25 @@ def test_warmup_writes_are_undone_wherever_the_state_is_held():
         assert torch.equal(a, b)
 
 
+def test_warmup_writes_through_two_storages_over_one_memory_are_undone():
+    class Aliased(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin, self.a = nn.Linear(4, 4), torch.zeros(4)
+            self.b = torch.from_numpy(self.a.numpy())  # the same memory through another storage
+
+        def forward(self, x):
+            with torch.no_grad():
+                self.a.add_(1)
+                self.b.mul_(2)
+            return self.lin(x) * self.a
+
+    model = ng.make_graphed_callables(Aliased(), (torch.randn(2, 4),))
+    assert torch.equal(model.a, torch.zeros(4))
+    model(torch.randn(2, 4))
+    assert torch.equal(model.a, torch.full((4,), 2.0))
+
+
 def test_a_capture_failing_after_warmup_grew_a_tensor_still_puts_the_rest_back():
     class Grows(nn.Module):
         def __init__(self):

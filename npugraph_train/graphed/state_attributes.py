@@ -96,14 +96,17 @@ def storage_address(t: torch.Tensor) -> Optional[int]:
         return None
 
 
-def storage_key(t: torch.Tensor) -> Optional[int]:
-    """The identity of ``t``'s storage (of an empty one too, unlike its address), or None where it has none."""
+def storage_key(t: torch.Tensor) -> Any:
+    """Which memory ``t``'s storage is: its address (two storages over one memory, as ``torch.from_numpy`` of one
+    array twice makes, are one), or for an empty storage, which has no address of its own, the storage itself.
+    None where it has none."""
     if not torch._C._has_storage(t) or t.layout != torch.strided:
         return None
     try:
-        return t.untyped_storage()._cdata
+        storage = t.untyped_storage()
     except RuntimeError:
         return None
+    return storage.data_ptr() if storage.nbytes() else ("empty", storage._cdata)
 
 
 def carried_state_message(who: str, unit: str, names: List[str], fixes: str) -> str:

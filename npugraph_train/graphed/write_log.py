@@ -18,7 +18,7 @@ class WriteLog:
 
     def __init__(self) -> None:
         self.made: set = set()  # storage keys of the tensors the region's ops made
-        self.saved: Dict[int, Tuple[Any, Any]] = {}  # storage key: (storage, its contents before)
+        self.saved: Dict[Any, Tuple[Any, Any]] = {}  # storage key: (storage, its contents before)
 
     def before_write(self, tensors: Iterable[torch.Tensor]) -> None:
         for t in tensors:

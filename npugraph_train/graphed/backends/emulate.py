@@ -245,11 +245,14 @@ class _HostReadGuard(TorchFunctionMode):
         return out
 
     def _host_made(self, func: Callable, args: tuple, kwargs: dict) -> bool:
-        """Whether ``func`` makes its result on the host: a factory given no device (or a "cpu" string) and no
-        tensor to take one from, or any function of tensors made on the host alone (``torch.ones(n, n).tril()``)."""
+        """Whether ``func`` makes its result on the host: where its ``device=`` says so; else a factory given no
+        tensor to take a device from, or any function of tensors made on the host alone (``torch.ones(n,
+        n).tril()``, ``torch.as_tensor(t, dtype=...)`` of one)."""
+        if kwargs.get("device") is not None:  # zeros_like(t, device=x.device), t.new_zeros(n, device=...)
+            return _on_host(kwargs["device"])
         tensors = _tensors((args, kwargs)) if self._made_on_host or func in _HOST_FACTORIES else []
-        if func in _HOST_FACTORIES:
-            return _on_host(kwargs.get("device")) and not tensors  # torch.as_tensor(t) keeps t's device
+        if func in _HOST_FACTORIES and not tensors:
+            return True
         return bool(tensors) and all(map(self._is_host_tensor, tensors))
 
     def _is_host_tensor(self, t: torch.Tensor) -> bool:
