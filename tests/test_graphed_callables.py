@@ -177,6 +177,24 @@ def test_warmup_writes_through_two_storages_over_one_memory_are_undone():
     assert torch.equal(model.a, torch.full((4,), 2.0))
 
 
+def test_warmup_writes_through_an_unannotated_view_are_undone():
+    class Viewed(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin, self.state = nn.Linear(4, 4), torch.zeros(2, 2)
+
+        def forward(self, x):
+            with torch.no_grad():  # _unsafe_view returns a view its schema does not mark as one
+                flat = torch.ops.aten._unsafe_view(self.state, (4,))
+                flat.add_(1)
+            return self.lin(x) * flat
+
+    model = ng.make_graphed_callables(Viewed(), (torch.randn(2, 4),))
+    assert torch.equal(model.state, torch.zeros(2, 2))
+    model(torch.randn(2, 4))
+    assert torch.equal(model.state, torch.ones(2, 2))
+
+
 def test_a_capture_failing_after_warmup_grew_a_tensor_still_puts_the_rest_back():
     class Grows(nn.Module):
         def __init__(self):

@@ -49,5 +49,7 @@ class WarmupWrites(TorchDispatchMode):
         self.log.before_write(written_tensors(func, args, kwargs))
         out = func(*args, **(kwargs or {}))
         if not any(r.alias_info is not None for r in func._schema.returns):  # new tensors, not views or self
-            self.log.made.update(storage_key(t) for t in tensors_in(out))
+            # (but for ops that return a view without saying so in their schema, _unsafe_view)
+            inputs = {storage_key(t) for t in tensors_in((args, kwargs))}
+            self.log.made.update(key for key in map(storage_key, tensors_in(out)) if key not in inputs)
         return out
