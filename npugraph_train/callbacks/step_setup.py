@@ -2,7 +2,8 @@
 captured once and replayed cannot honour."""
 from __future__ import annotations
 
-from typing import List
+import dis
+from typing import Any, List
 
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import BaseFinetuning, GradientAccumulationScheduler, StochasticWeightAveraging
@@ -47,13 +48,30 @@ def check_trainer(trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> Non
         if isinstance(cb, (BaseFinetuning, StochasticWeightAveraging)):
             refuse(f"with {type(cb).__name__}, which changes the trained parameters or optimizer during fit",
                    "remove it, or use mode='submodules'")
-    overridden = [h for h in _CLOSURE_HOOKS if is_overridden(h, pl_module)]
+    overridden = [h for h in _CLOSURE_HOOKS if is_overridden(h, pl_module) and _does_something(getattr(pl_module, h))]
     overridden += [f"{type(cb).__name__}.{h}" for cb in callbacks_inside_step(trainer) for h in _CALLBACK_STEP_HOOKS
-                   if is_overridden(h, cb, pl.Callback)]
+                   if is_overridden(h, cb, pl.Callback) and _does_something(getattr(cb, h))]
     if overridden:
         rank_zero_warn(f"NPUGraphCallback(mode='whole_step'): {', '.join(overridden)} run inside the captured "
                        "step: their device work replays every step, their Python runs once at capture. Keep "
                        "them free of host reads (.item(), printing tensors) and per-step Python state")
+
+
+def _instructions(code: Any) -> list:
+    return [(i.opname, i.argval) for i in dis.get_instructions(code)]
+
+
+def _empty() -> None:
+    pass
+
+
+_NOTHING = _instructions(_empty.__code__)
+
+
+def _does_something(hook: Any) -> bool:
+    """Whether an overriding hook has a body (``pass`` or a docstring alone runs nothing worth a warning)."""
+    code = getattr(getattr(hook, "__func__", hook), "__code__", None)
+    return code is None or _instructions(code) != _NOTHING
 
 
 def callbacks_inside_step(trainer: "pl.Trainer") -> List[pl.Callback]:
