@@ -289,6 +289,7 @@ _HOST_FACTORIES = {torch.arange, torch.ones, torch.zeros, torch.full, torch.empt
 
 
 def _on_host(device: Any) -> bool:
+    """Whether a tensor made with ``device=device`` is on the host (no device, or a "cpu" string)."""
     return device is None or (isinstance(device, str) and device.split(":")[0] == "cpu")
 
 
@@ -301,9 +302,8 @@ def _copies_host_data(func: Callable, args: tuple, kwargs: dict) -> bool:
         return False
     # On the emulator x.device is the CPU too, so only a "cpu" string says "a host tensor". Nothing to copy
     # (torch.tensor((), device=...), as PackedSequence.to does) is no copy either.
-    host = device is None or (isinstance(device, str) and device.split(":")[0] == "cpu")
     empty = isinstance(data, (list, tuple)) and not data
-    return not host and not empty and not isinstance(data, torch.Tensor)
+    return not _on_host(device) and not empty and not isinstance(data, torch.Tensor)
 
 
 def _one_hot(tensor: torch.Tensor, num_classes: int = -1) -> torch.Tensor:
