@@ -237,6 +237,7 @@ _LENGTHS = torch.tensor([4, 3, 2, 1])
     (lambda: _SPD * torch.tensor(2.0).to(_SPD.device), "made on the host to the device"),
     (lambda: torch.ones(4, 4).tril().to(_SPD.device), "made on the host to the device"),  # made from one
     (lambda: torch.as_tensor(torch.arange(4), dtype=torch.float64).to(_SPD.device), "made on the host to the"),
+    (lambda: _SPD.masked_fill(_SPD > 1, _SPD.max()), r"masked_fill with a tensor value.*torch.where"),
     (lambda: _SPD.clone().copy_(torch.linspace(0, 1, 4)), "made on the host to the device"),
     (lambda: _SPD.to("cpu"), r"copying a tensor to the host \(Tensor.to\('cpu'\)"),
     (lambda: torch.isin(_LENGTHS, torch.arange(40, device=_SPD.device)), "isin against many.*assume_unique=True"),
@@ -256,6 +257,7 @@ def test_the_ex_variants_a_device_captures_are_accepted():
                lambda: torch.zeros(4).to(torch.float64), lambda: _SPD.to(_SPD.device) * 2,
                lambda: torch.as_tensor(_SPD).to(_SPD.device), lambda: torch.as_tensor(_SPD, dtype=torch.float64),
                lambda: torch.zeros_like(torch.arange(4.0), device=_SPD.device).copy_(_SPD[0]),  # told the device
+               lambda: _SPD.masked_fill(_SPD > 1, torch.tensor(2.0)), lambda: _SPD.masked_fill(_SPD > 1, 2.0),
                lambda: torch.arange(4.0).new_zeros(4, device=_SPD.device).copy_(_SPD[0]),
                lambda: torch.isin(_LENGTHS, _LENGTHS[:2]),  # brute force below about 10 test elements
                lambda: torch.isin(_LENGTHS, torch.arange(40, device=_SPD.device), assume_unique=True)):

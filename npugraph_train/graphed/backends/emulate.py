@@ -37,8 +37,9 @@ What it models, as a device graph behaves:
   breaks capture (0-dim host values pass: kernels take such scalars from the host at capture time). So does
   copying to the device a tensor the capture made on the host (``torch.arange(n).to(x.device)``, also 0-dim),
   copying a tensor to the host (``.to("cpu")``), and ``torch.isin`` against so many test elements that ATen
-  sorts their unique values. Where everything is on the CPU, a device named by a ``"cpu"`` string is taken as
-  the host and any other (``x.device``) as the device.
+  sorts their unique values, and ``masked_fill`` with a tensor value (CUDA's kernel reads it with ``.item()``)
+  unless the capture made it on the host. Where everything is on the CPU, a device named by a ``"cpu"``
+  string is taken as the host and any other (``x.device``) as the device.
 - With ``auto_dispatch_capture=True``, ops with a registered handler
   (:mod:`npugraph_train.graphed.handlers`) are recorded with their host arguments, which ``update()``
   rewrites for the next replays, as torch_npu's NPUGraph update does.
@@ -236,6 +237,12 @@ class _HostReadGuard(TorchFunctionMode):
             raise _capture_error(f"{name}(..., device=...) copies host data to the device (use torch.full(shape, "
                                  "value, device=...); a 0-dim host value takes device='cpu')")
         self._check_copy(func, args, kwargs)
+        if func in _MASKED_FILLS:
+            value = args[2] if len(args) > 2 else kwargs.get("value")
+            if isinstance(value, torch.Tensor) and not self._is_host_tensor(value):
+                # CUDA's masked_fill_ takes a tensor value with value.item() (pytorch#190512)
+                raise _capture_error("masked_fill with a tensor value reads the value on the host on a device; "
+                                     "use torch.where(mask, value, x), or pass a Python number")
         if func is torch.nn.functional.one_hot:
             return _one_hot(*args, **kwargs)
         out = func(*args, **kwargs)
@@ -282,6 +289,7 @@ class _HostReadGuard(TorchFunctionMode):
                                  "host) reads its data on the host")
 
 
+_MASKED_FILLS = {torch.masked_fill, torch.Tensor.masked_fill, torch.Tensor.masked_fill_}
 # Factory functions, which make their tensor on the host unless given another device.
 _HOST_FACTORIES = {torch.arange, torch.ones, torch.zeros, torch.full, torch.empty, torch.linspace, torch.logspace,
                    torch.rand, torch.randn, torch.randint, torch.randperm, torch.eye, torch.tensor, torch.as_tensor,
