@@ -163,6 +163,12 @@ def test_rng_state_reads_during_capture_are_refused_as_on_cuda():
         with pytest.raises(GraphCaptureError, match=r"(manual_)?seed\(\) during graph capture"):
             with ng.graph(ng.Graph()):
                 seed(1)
+    from torch import manual_seed  # bound before the capture: the guard cannot replace it
+    seed = torch.initial_seed()
+    with pytest.raises(GraphCaptureError, match="seeded during graph capture.*seed before the capture"):
+        with ng.graph(ng.Graph()):
+            manual_seed(seed + 1)
+    assert torch.initial_seed() == seed
     assert torch.get_rng_state().shape, "the guard is gone after capture"
     layer = layer[0]  # no random numbers: checkpointing without saving the RNG state captures
     g = ng.Graph()

@@ -22,7 +22,8 @@ What it models, as a device graph behaves:
   graph). Reading or setting the default generator's state during capture (``torch.get_rng_state``,
   ``set_rng_state``, ``fork_rng``, ``manual_seed``, ``seed``; activation checkpointing reads it unless
   ``preserve_rng_state=False``) raises ``GraphCaptureError``, as CUDA's "Cannot call
-  CUDAGeneratorImpl::current_seed during CUDA graph capture" does.
+  CUDAGeneratorImpl::current_seed during CUDA graph capture" does; so does seeding it through a name bound
+  before the capture (``from torch import manual_seed``), found at ``capture_end``.
 - Ops that make the host wait for device data (``.item()``, ``.tolist()``, ``.numpy()``, ``.cpu()``,
   ``bool(t)``, printing a tensor, ``nonzero``, ``torch.equal``, ops with data-dependent output shapes
   (``x[mask]``; integer indices and ``repeat_interleave(..., output_size=n)`` are captured), putting values
@@ -469,7 +470,7 @@ class EmulatedGraph:
         self.update_records = []
         self.captured_bytes = 0
         self._writes = WriteLog()  # tensors from before the capture that it writes, with their contents before
-        self._rng_state = torch.get_rng_state()
+        self._rng_state, self._seed = torch.get_rng_state(), torch.initial_seed()
         self._generators: Dict[int, Tuple[torch.Generator, torch.Tensor]] = {}  # explicit ones: state at first use
         _local.capture_stream = _current_stream()
         self._modes = (_Recorder(self), _HostReadGuard(), _rng_state_guard())
@@ -494,10 +495,16 @@ class EmulatedGraph:
                 for _, t in op.outs:
                     if t.is_floating_point() or t.is_complex():
                         t.untyped_storage().fill_(0xFF)  # all-ones bytes are NaN in every float format
+        reseeded = torch.initial_seed() != self._seed
         torch.set_rng_state(self._rng_state)
         for generator, state in self._generators.values():
             generator.set_state(state)
         self._writes, self._generators = WriteLog(), {}
+        if reseeded:  # through a name bound before the capture (from torch import manual_seed), out of the guard's reach
+            raise GraphCaptureError(
+                "the default generator was seeded during graph capture (manual_seed or seed, called through a name "
+                "bound before the capture): a device cannot set its generator's seed while capturing (CUDA: "
+                "'Cannot call CUDAGeneratorImpl::set_current_seed during CUDA graph capture'); seed before the capture")
 
     def _before_op(self, func: Any, args: tuple, kwargs: dict) -> None:
         # Snapshot tensors from before the capture that this op writes, so capture_end can undo it.
