@@ -1815,6 +1815,31 @@ def test_a_module_drawing_from_its_own_generator_matches_eager(held_by):
     assert ng.graphed_state(graphed).report()["replays"] == 3
 
 
+def test_checkpointing_with_dropout_inside_a_graphed_module_matches_eager():
+    # The recompute sets the generator back to the forward's state (preserve_rng_state=True): the backward graph
+    # does so again on every replay, so its dropout masks are the forward's.
+    from torch.utils.checkpoint import checkpoint
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inner, self.out = nn.Sequential(nn.Linear(4, 4), nn.Dropout(0.3), nn.Tanh()), nn.Linear(4, 4)
+
+        def forward(self, x):
+            return self.out(checkpoint(self.inner, x, use_reentrant=False))
+
+    torch.manual_seed(0)
+    eager = Block()
+    graphed = ng.make_graphed_callables(copy.deepcopy(eager), (torch.randn(3, 4, requires_grad=True),))
+    for step in range(3):
+        x = torch.randn(3, 4, requires_grad=True)
+        for model in (eager, graphed):
+            torch.manual_seed(10 + step)
+            model(x).pow(2).sum().backward()
+        assert all(torch.equal(a.grad, b.grad) for a, b in zip(eager.parameters(), graphed.parameters()))
+    assert ng.graphed_state(graphed).report()["replays"] == 3
+
+
 def test_a_new_signature_inside_non_reentrant_checkpointing_runs_eager():
     # Captured there, the call would save other tensors than the checkpoint's (eager) recompute: CheckpointError.
     from torch.utils.checkpoint import checkpoint

@@ -302,7 +302,7 @@ class GraphedCallable:
                     f"{self.name} was called again during its own backward: activation checkpointing "
                     "(use_reentrant=False) recomputing a region that contains it. Checkpoint with "
                     "use_reentrant=True, or checkpoint the graphed module alone (checkpoint(module, x)), or "
-                    "checkpoint inside the graphed module (preserve_rng_state=False)")
+                    "checkpoint inside the graphed module")
             return self._eager("called again before the backward of an earlier call in the same pool",
                                args, kwargs)
         if update is not None:

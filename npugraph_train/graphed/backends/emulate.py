@@ -19,11 +19,11 @@ What it models, as a device graph behaves:
   and torch's CPU RNG state is restored (capture draws no random numbers).
 - Random ops draw new numbers on every replay, from torch's CPU generator or the explicit ``torch.Generator``
   they are given (rewound at ``capture_end`` like the default one: torch_npu registers generators with the
-  graph). Reading or setting the default generator's state during capture (``torch.get_rng_state``,
-  ``set_rng_state``, ``fork_rng``, ``manual_seed``, ``seed``; activation checkpointing reads it unless
-  ``preserve_rng_state=False``) raises ``GraphCaptureError``, as CUDA's "Cannot call
-  CUDAGeneratorImpl::current_seed during CUDA graph capture" does; so does seeding it through a name bound
-  before the capture (``from torch import manual_seed``), found at ``capture_end``.
+  graph). Reading and setting the default generator's state during capture (``torch.get_rng_state``,
+  ``set_rng_state``, ``fork_rng``; activation checkpointing does so for its recompute) is repeated in its place
+  on every replay, as a device's graph-safe generator state is (current torch and torch_npu capture it).
+  Seeding it (``manual_seed``, ``seed``, also through a name bound before the capture, found at
+  ``capture_end``) raises ``GraphCaptureError``, as a device refuses a new seed during capture.
 - Ops that make the host wait for device data (``.item()``, ``.tolist()``, ``.numpy()``, ``.cpu()``,
   ``bool(t)``, printing a tensor, ``nonzero``, ``torch.equal``, ops with data-dependent output shapes
   (``x[mask]``; integer indices and ``repeat_interleave(..., output_size=n)`` are captured), putting values
@@ -143,30 +143,47 @@ def _torch_module_hint() -> str:
     return ""
 
 
-def _refuse_rng_state_during_capture(original: Callable) -> Callable:
+def _refuse_seeding_during_capture(original: Callable) -> Callable:
     @functools.wraps(original)
     def guarded(*args: Any, **kwargs: Any) -> Any:
         if getattr(_local, "capture_stream", None) is not None:
             raise GraphCaptureError(
-                f"torch.{original.__name__}() during graph capture at {user_source_line()}: a device cannot read "
-                "or set its generator's state while capturing (CUDA: 'Cannot call "
-                "CUDAGeneratorImpl::current_seed during CUDA graph capture'), and a replay would not restore it. "
-                "Activation checkpointing does this to replay dropout: pass preserve_rng_state=False where the "
-                "checkpointed code draws no random numbers, or checkpoint outside the captured region")
+                f"torch.{original.__name__}() during graph capture at {user_source_line()}: a device cannot change "
+                "its generator's seed while capturing (CUDA: 'set_current_seed can be called during stream capture "
+                "only if new seed is the same as the original seed'); seed before the capture")
         return original(*args, **kwargs)
     return guarded
 
 
-# torch's functions over the default generator whose CUDA twins assert that no capture is underway.
-_RNG_STATE_FUNCTIONS = ("get_rng_state", "set_rng_state", "manual_seed", "seed")
+def _graph_safe_rng_state(graph: "EmulatedGraph", get_state: Callable, set_state: Callable
+                          ) -> Tuple[Callable, Callable]:
+    """``get_rng_state``/``set_rng_state`` that a replay repeats where the capture called them, as a device's
+    graph-safe generator state does (current torch and torch_npu): activation checkpointing saves the
+    state in the forward and sets it back for the recompute, so that both draw the same numbers on every replay."""
+    @functools.wraps(get_state)
+    def get(*args: Any, **kwargs: Any) -> torch.Tensor:
+        state = get_state(*args, **kwargs)
+        if getattr(_local, "capture_stream", None) is not None:
+            graph._record_host_step(lambda: state.copy_(get_state(*args, **kwargs)))
+        return state
+
+    @functools.wraps(set_state)
+    def set_(new_state: torch.Tensor, *args: Any, **kwargs: Any) -> None:
+        set_state(new_state, *args, **kwargs)
+        if getattr(_local, "capture_stream", None) is not None:
+            graph._record_host_step(lambda: set_state(new_state, *args, **kwargs))
+    return get, set_
 
 
 @contextmanager
-def _rng_state_guard() -> Iterator[None]:
+def _rng_state_guard(graph: "EmulatedGraph") -> Iterator[None]:
     # Under both of the names they are called by (torch.manual_seed, torch.random.manual_seed).
-    originals = {(where, name): getattr(where, name) for where in (torch, torch.random) for name in _RNG_STATE_FUNCTIONS}
+    originals = {(where, name): getattr(where, name) for where in (torch, torch.random)
+                 for name in ("get_rng_state", "set_rng_state", "manual_seed", "seed")}
+    get, set_ = _graph_safe_rng_state(graph, originals[torch, "get_rng_state"], originals[torch, "set_rng_state"])
     for (where, name), original in originals.items():
-        setattr(where, name, _refuse_rng_state_during_capture(original))
+        setattr(where, name, get if name == "get_rng_state" else set_ if name == "set_rng_state"
+                else _refuse_seeding_during_capture(original))
     try:
         yield
     finally:
@@ -473,7 +490,7 @@ class EmulatedGraph:
         self._rng_state, self._seed = torch.get_rng_state(), torch.initial_seed()
         self._generators: Dict[int, Tuple[torch.Generator, torch.Tensor]] = {}  # explicit ones: state at first use
         _local.capture_stream = _current_stream()
-        self._modes = (_Recorder(self), _HostReadGuard(), _rng_state_guard())
+        self._modes = (_Recorder(self), _HostReadGuard(), _rng_state_guard(self))
         for mode in self._modes:
             mode.__enter__()
 
@@ -520,6 +537,10 @@ class EmulatedGraph:
                 with _disable_current_modes():
                     self._generators[value._cdata] = (value, value.get_state())
         self._writes.before_write(written_tensors(func, args, kwargs))
+
+    def _record_host_step(self, call: Callable[[], Any]) -> None:
+        """A step that replays in its place among the ops but is no ATen op (the generator's state read or set)."""
+        self._ops.append(_RecordedOp(None, call, [], [], torch.is_grad_enabled(), torch.is_inference_mode_enabled()))
 
     def _record_updatable(self, func: Any, args: tuple, kwargs: dict, handler: Any) -> Any:
         actual, args, kwargs = handler.prepare_capture(func, args, kwargs)
