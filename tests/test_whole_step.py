@@ -105,6 +105,30 @@ def test_parity_with_plain_lightning(model_kwargs):
                           type(t.callbacks[-1]._whole._loop)), "the original loop is back after fit"
 
 
+def test_activation_checkpointing_with_dropout_in_the_captured_step_matches_eager():
+    # checkpoint(..., preserve_rng_state=True) reads and sets the generator's state for its recompute: each replay
+    # does so again, so the recompute's dropout masks are the forward's
+    from torch.utils.checkpoint import checkpoint
+
+    class Checkpointed(Scheduled):
+        def forward(self, x):
+            h = self.embed(x)
+            for block in self.blocks:
+                h = checkpoint(block, h, use_reentrant=False)
+            return self.head(h)
+
+    def run(graphed):
+        torch.manual_seed(0)
+        model = Checkpointed(optimizer="adamw", dropout=0.2)
+        callbacks = [NPUGraphCallback(mode="whole_step")] if graphed else []
+        trainer(callbacks, max_steps=12, limit_val_batches=0).fit(model, loaders()[0])
+        return model, callbacks
+
+    eager, _ = run(False)
+    graphed, callbacks = run(True)
+    assert _same(eager, graphed) and callbacks[0].report()[0]["replays"] == 8
+
+
 def test_callback_converts_plain_optimizer():
     eager, eager_trace, _ = _run({"convert": True}, None, max_steps=12)
     graphed, graphed_trace, _ = _run({"convert": False}, {}, max_steps=12)
