@@ -180,11 +180,25 @@ def test_rng_state_is_graph_safe_and_seeding_is_refused_as_on_cuda():
                 seed(1)
     from torch import manual_seed  # bound before the capture: the guard cannot replace it
     seed = torch.initial_seed()
-    with pytest.raises(GraphCaptureError, match="seeded during graph capture.*seed before the capture"):
-        with ng.graph(ng.Graph()):
-            manual_seed(seed + 1)
-    assert torch.initial_seed() == seed
-    assert torch.get_rng_state().shape, "the guard is gone after capture"
+    other_seed = torch.Generator().manual_seed(seed + 1).get_state()
+    for seeds in (lambda: manual_seed(seed + 1),
+                  lambda: torch.default_generator.manual_seed(seed + 1) and torch.rand(2),
+                  lambda: torch.set_rng_state(other_seed)):
+        with pytest.raises(GraphCaptureError, match="seed.*during graph capture.*seed before the capture"):
+            with ng.graph(ng.Graph()), torch.random.fork_rng(devices=[]):  # which would set the seed back
+                seeds()
+        assert torch.initial_seed() == seed
+    assert torch.get_rng_state is torch.random.get_rng_state, "the guard is gone after capture"
+    g1, g2 = ng.Graph(), ng.Graph()
+    with ng.graph(g1):
+        kept_get, kept_set = torch.get_rng_state, torch.set_rng_state  # the capture's: serve the next one too
+    with ng.graph(g2):
+        state = kept_get()
+        torch.rand(2)
+        kept_set(state)
+    before = torch.get_rng_state()
+    g2.replay()
+    assert torch.equal(torch.get_rng_state(), before), "g2 sets back the state it read, as eager would"
 
 
 def test_in_place_view_changes_after_an_op_do_not_change_its_replay():

@@ -22,8 +22,9 @@ What it models, as a device graph behaves:
   graph). Reading and setting the default generator's state during capture (``torch.get_rng_state``,
   ``set_rng_state``, ``fork_rng``; activation checkpointing does so for its recompute) is repeated in its place
   on every replay, as a device's graph-safe generator state is (current torch and torch_npu capture it).
-  Seeding it (``manual_seed``, ``seed``, also through a name bound before the capture, found at
-  ``capture_end``) raises ``GraphCaptureError``, as a device refuses a new seed during capture.
+  Seeding it (``manual_seed``, ``seed``, ``set_rng_state`` with another seed's state; seeding through a name
+  bound before the capture is found at the next op or at ``capture_end``) raises ``GraphCaptureError``, as a
+  device refuses a new seed during capture.
 - Ops that make the host wait for device data (``.item()``, ``.tolist()``, ``.numpy()``, ``.cpu()``,
   ``bool(t)``, printing a tensor, ``nonzero``, ``torch.equal``, ops with data-dependent output shapes
   (``x[mask]``; integer indices and ``repeat_interleave(..., output_size=n)`` are captured), putting values
@@ -143,44 +144,60 @@ def _torch_module_hint() -> str:
     return ""
 
 
+def _seed_changed(what: str) -> GraphCaptureError:
+    return GraphCaptureError(
+        f"{what} during graph capture at {user_source_line()}: a device cannot change its generator's seed while "
+        "capturing (CUDA: 'set_current_seed can be called during stream capture only if new seed is the same as the "
+        "original seed'); seed before the capture")
+
+
+def _seeded_out_of_reach() -> GraphCaptureError:
+    return _seed_changed("the default generator seeded (through a name bound before the capture, from torch import "
+                         "manual_seed, or torch.default_generator.manual_seed)")
+
+
 def _refuse_seeding_during_capture(original: Callable) -> Callable:
     @functools.wraps(original)
     def guarded(*args: Any, **kwargs: Any) -> Any:
         if getattr(_local, "capture_stream", None) is not None:
-            raise GraphCaptureError(
-                f"torch.{original.__name__}() during graph capture at {user_source_line()}: a device cannot change "
-                "its generator's seed while capturing (CUDA: 'set_current_seed can be called during stream capture "
-                "only if new seed is the same as the original seed'); seed before the capture")
+            raise _seed_changed(f"torch.{original.__name__}()")
         return original(*args, **kwargs)
     return guarded
 
 
-def _graph_safe_rng_state(graph: "EmulatedGraph", get_state: Callable, set_state: Callable
-                          ) -> Tuple[Callable, Callable]:
+def _graph_safe_rng_state(get_state: Callable, set_state: Callable) -> Tuple[Callable, Callable]:
     """``get_rng_state``/``set_rng_state`` that a replay repeats where the capture called them, as a device's
     graph-safe generator state does (current torch and torch_npu): activation checkpointing saves the
-    state in the forward and sets it back for the recompute, so that both draw the same numbers on every replay."""
+    state in the forward and sets it back for the recompute, so that both draw the same numbers on every replay.
+    (The graph is the one capturing when they are called: a reference kept from one capture serves the next.)"""
     @functools.wraps(get_state)
     def get(*args: Any, **kwargs: Any) -> torch.Tensor:
         state = get_state(*args, **kwargs)
-        if getattr(_local, "capture_stream", None) is not None:
+        graph = getattr(_local, "capturing", None)
+        if graph is not None:
             graph._record_host_step(lambda: state.copy_(get_state(*args, **kwargs)))
         return state
 
     @functools.wraps(set_state)
     def set_(new_state: torch.Tensor, *args: Any, **kwargs: Any) -> None:
+        graph = getattr(_local, "capturing", None)
+        if graph is not None and torch.initial_seed() != graph._seed:
+            raise _seeded_out_of_reach()
         set_state(new_state, *args, **kwargs)
-        if getattr(_local, "capture_stream", None) is not None:
+        if graph is not None:
+            if torch.initial_seed() != graph._seed:
+                set_state(graph._rng_state)
+                raise _seed_changed("torch.set_rng_state() with the state of another seed")
             graph._record_host_step(lambda: set_state(new_state, *args, **kwargs))
     return get, set_
 
 
 @contextmanager
-def _rng_state_guard(graph: "EmulatedGraph") -> Iterator[None]:
+def _rng_state_guard() -> Iterator[None]:
     # Under both of the names they are called by (torch.manual_seed, torch.random.manual_seed).
     originals = {(where, name): getattr(where, name) for where in (torch, torch.random)
                  for name in ("get_rng_state", "set_rng_state", "manual_seed", "seed")}
-    get, set_ = _graph_safe_rng_state(graph, originals[torch, "get_rng_state"], originals[torch, "set_rng_state"])
+    get, set_ = _graph_safe_rng_state(originals[torch, "get_rng_state"], originals[torch, "set_rng_state"])
     for (where, name), original in originals.items():
         setattr(where, name, get if name == "get_rng_state" else set_ if name == "set_rng_state"
                 else _refuse_seeding_during_capture(original))
@@ -489,8 +506,8 @@ class EmulatedGraph:
         self._writes = WriteLog()  # tensors from before the capture that it writes, with their contents before
         self._rng_state, self._seed = torch.get_rng_state(), torch.initial_seed()
         self._generators: Dict[int, Tuple[torch.Generator, torch.Tensor]] = {}  # explicit ones: state at first use
-        _local.capture_stream = _current_stream()
-        self._modes = (_Recorder(self), _HostReadGuard(), _rng_state_guard(self))
+        _local.capture_stream, _local.capturing = _current_stream(), self
+        self._modes = (_Recorder(self), _HostReadGuard(), _rng_state_guard())
         for mode in self._modes:
             mode.__enter__()
 
@@ -498,7 +515,7 @@ class EmulatedGraph:
         for mode in reversed(self._modes):
             mode.__exit__(None, None, None)
         self._modes = ()
-        _local.capture_stream = None
+        _local.capture_stream = _local.capturing = None
         with torch.no_grad(), _disable_current_modes():
             for storage, saved in self._writes.saved.values():
                 if storage.nbytes() == saved.nbytes():
@@ -517,13 +534,12 @@ class EmulatedGraph:
         for generator, state in self._generators.values():
             generator.set_state(state)
         self._writes, self._generators = WriteLog(), {}
-        if reseeded:  # through a name bound before the capture (from torch import manual_seed), out of the guard's reach
-            raise GraphCaptureError(
-                "the default generator was seeded during graph capture (manual_seed or seed, called through a name "
-                "bound before the capture): a device cannot set its generator's seed while capturing (CUDA: "
-                "'Cannot call CUDAGeneratorImpl::set_current_seed during CUDA graph capture'); seed before the capture")
+        if reseeded:
+            raise _seeded_out_of_reach()
 
     def _before_op(self, func: Any, args: tuple, kwargs: dict) -> None:
+        if torch.initial_seed() != self._seed:  # seeded since the last op, out of the guard's reach
+            raise _seeded_out_of_reach()
         # Snapshot tensors from before the capture that this op writes, so capture_end can undo it.
         schema_args = func._schema.arguments
         values = list(args) + [kwargs.get(a.name) for a in schema_args[len(args):]]
