@@ -123,11 +123,13 @@ _HOST_DATA_FUNCTIONS = {torch.tensor, torch.as_tensor, torch.asarray}
 _HOST_READ_METHODS = {torch.Tensor.tolist, torch.Tensor.numpy, torch.Tensor.__array__, torch.Tensor.__repr__,
                       torch.Tensor.__str__, torch.Tensor.__format__, torch.Tensor.cpu}
 
-def _capture_error(what: str) -> GraphCaptureError:
-    return GraphCaptureError(
-        f"{what} during graph capture at {user_source_line()}{_torch_module_hint()}. A replayed graph runs without "
-        "the host: it cannot hand device data to it or take host data from it; move this out of the captured region, "
-        "or keep the value on the device (e.g. torch.where instead of a Python branch, a tensor made before capture).")
+_NO_HOST = (". A replayed graph runs without the host: it cannot hand device data to it or take host data from it; "
+            "move this out of the captured region, or keep the value on the device (e.g. torch.where instead of a "
+            "Python branch, a tensor made before capture).")
+
+
+def _capture_error(what: str, why: str = _NO_HOST) -> GraphCaptureError:
+    return GraphCaptureError(f"{what} during graph capture at {user_source_line()}{_torch_module_hint()}{why}")
 
 
 def _torch_module_hint() -> str:
@@ -145,10 +147,9 @@ def _torch_module_hint() -> str:
 
 
 def _seed_changed(what: str) -> GraphCaptureError:
-    return GraphCaptureError(
-        f"{what} during graph capture at {user_source_line()}: a device cannot change its generator's seed while "
-        "capturing (CUDA: 'set_current_seed can be called during stream capture only if new seed is the same as the "
-        "original seed'); seed before the capture")
+    return _capture_error(what, ": a device cannot change its generator's seed while capturing (CUDA: "
+                                "'set_current_seed can be called during stream capture only if new seed is the same "
+                                "as the original seed'); seed before the capture")
 
 
 def _seeded_out_of_reach() -> GraphCaptureError:
