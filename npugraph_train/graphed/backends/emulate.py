@@ -37,7 +37,8 @@ What it models, as a device graph behaves:
   ``pack_padded_sequence``. So does ``torch.tensor(...)``/``as_tensor`` of host data with at least one
   dimension, or with a ``device=`` other than ``"cpu"``, which on a device is a host-to-device copy that
   breaks capture (0-dim host values pass: kernels take such scalars from the host at capture time). So does
-  copying to the device a tensor the capture made on the host (``torch.arange(n).to(x.device)``, also 0-dim),
+  copying to the device a tensor the capture made on the host (``torch.arange(n).to(x.device)``, also 0-dim;
+  ``copy_`` from one with at least one dimension),
   copying a tensor to the host (``.to("cpu")``), and ``torch.isin`` against so many test elements that ATen
   sorts their unique values, and ``masked_fill`` with a tensor value (CUDA's kernel reads it with ``.item()``)
   unless the capture made it on the host. Where everything is on the CPU, a device named by a ``"cpu"``
