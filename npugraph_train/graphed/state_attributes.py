@@ -86,20 +86,10 @@ def _refill(value: Any, snapshot: _Snapshot) -> None:
         value.update(contents)
 
 
-def storage_address(t: torch.Tensor) -> Optional[int]:
-    # Wrapper subclasses (float8 tensors), sparse and empty tensors have no storage address to compare.
-    if not torch._C._has_storage(t) or t.layout != torch.strided or t.numel() == 0:
-        return None
-    try:
-        return t.untyped_storage().data_ptr()
-    except RuntimeError:
-        return None
-
-
 def storage_key(t: torch.Tensor) -> Any:
     """Which memory ``t``'s storage is: its address (two storages over one memory, as ``torch.from_numpy`` of one
     array twice makes, are one), or for an empty storage, which has no address of its own, the storage itself.
-    None where it has none."""
+    None where it has none (wrapper subclasses such as float8 tensors, sparse tensors)."""
     if not torch._C._has_storage(t) or t.layout != torch.strided:
         return None
     try:
@@ -107,6 +97,11 @@ def storage_key(t: torch.Tensor) -> Any:
     except RuntimeError:
         return None
     return storage.data_ptr() if storage.nbytes() else ("empty", storage._cdata)
+
+
+def storage_address(t: torch.Tensor) -> Optional[int]:
+    """The address of the memory a tensor with elements reads: None for empty ones, which have none to compare."""
+    return None if t.numel() == 0 else storage_key(t)
 
 
 def carried_state_message(who: str, unit: str, names: List[str], fixes: str) -> str:
