@@ -1,4 +1,5 @@
 import os
+import re
 import subprocess
 import sys
 import warnings
@@ -648,6 +649,50 @@ def test_cuda_refusing_an_unregistered_generator_is_explained():
     error = _as_capture_error(RuntimeError("Attempt to increase offset for a CUDA generator not in capture mode."))
     assert isinstance(error, GraphCaptureError)
     assert "torch.Generator of your own" in str(error) and "leave generator= out" in str(error)
+
+
+def _host_read_in_torch_code(kind):
+    # A device raises a RuntimeError at the op that reads on the host during capture; Tensor.item() on a meta
+    # tensor raises one at the same place, from torch's own code.
+    meta = torch.zeros(2, device="meta")
+    if kind == "distribution":
+        torch.distributions.Normal(meta, meta.exp())  # device_error_line
+    elif kind == "batchnorm":
+        nn.BatchNorm1d(2, momentum=None, device="meta")(meta.view(1, 2).expand(3, 2))  # device_error_line
+    else:
+        meta.sum().item()  # device_error_line
+
+
+@pytest.mark.parametrize("kind, advice", [
+    ("distribution", r", in the argument checks of torch\.distributions\.Normal \(validate_args\), which read its "
+                     r"parameters on the host; pass validate_args=False"),
+    ("batchnorm", r", in BatchNorm1d\(2, momentum=None\).*give it a float momentum"),
+    ("plain", r"\. Common causes: host syncs"),
+])
+def test_a_device_capture_error_names_the_users_line_and_the_torch_setting_behind_it(kind, advice):
+    # (The device doubles record through the emulator, which names such reads itself: the device's error is
+    # translated as the graph context does with one raised inside it.)
+    from npugraph_train.graphed.graphs import _as_capture_error
+
+    try:
+        _host_read_in_torch_code(kind)
+    except RuntimeError as exc:
+        error, raised = _as_capture_error(exc, in_region=True), str(exc)
+    assert isinstance(error, GraphCaptureError)
+    message = str(error)
+    assert re.search(r"graph capture failed at .*test_graph_layer\.py:\d+: .*# device_error_line" + advice, message)
+    assert ("Common causes" in message) == (kind == "plain")
+    assert message.endswith("The device's error: " + raised)
+
+
+def test_an_error_of_the_captured_code_on_the_emulator_names_its_line_without_device_advice():
+    with pytest.raises(GraphCaptureError) as caught:
+        with ng.graph(ng.Graph()):
+            torch.zeros(2, 3) @ torch.zeros(2, 3)  # shapes_line
+    message = str(caught.value)
+    assert re.search(r"graph capture failed at .*test_graph_layer\.py:\d+: .*# shapes_line\. The error: mat1 and "
+                     r"mat2 shapes cannot be multiplied", message)
+    assert "Common causes" not in message
 
 
 def test_the_default_generator_passed_explicitly_is_rewound_once():

@@ -452,6 +452,48 @@ def test_batchnorm_with_a_cumulative_average_is_refused_by_name(where):
                 model(torch.zeros(3, 4))
 
 
+class _Reparameterized(nn.Module):
+    """A VAE's encoder head: a Normal from the input, a reparameterized sample and the KL term."""
+
+    def __init__(self, validate_args):
+        super().__init__()
+        self.net, self.validate_args = nn.Linear(8, 8), validate_args
+
+    def forward(self, x):
+        mu, log_std = self.net(x).chunk(2, -1)
+        q = torch.distributions.Normal(mu, log_std.exp(), validate_args=self.validate_args)
+        prior = torch.distributions.Normal(torch.zeros_like(mu), torch.ones_like(mu), validate_args=False)
+        return q.rsample(), torch.distributions.kl_divergence(q, prior).sum()
+
+
+def test_distributions_checking_their_arguments_are_refused_with_the_switch_that_captures_them():
+    # The user's line, then which check of torch's read on the host and the switch that turns it off.
+    expected = (r"test_graphed_callables\.py:\d+: q = torch\.distributions\.Normal\(.*argument checks of "
+                r"torch\.distributions\.Normal \(validate_args\).*pass validate_args=False")
+    with pytest.raises(ng.GraphCaptureError, match=expected):
+        ng.make_graphed_callables(_Reparameterized(validate_args=True), (torch.randn(4, 8),))
+
+
+def test_a_reparameterized_sample_without_argument_checks_matches_eager():
+    def run(graphed):
+        torch.manual_seed(0)
+        model = _Reparameterized(validate_args=False)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        batches = [torch.randn(4, 8) for _ in range(4)]
+        if graphed:
+            model = ng.make_graphed_callables(model, (batches[0],))
+        for x in batches:
+            z, kl = model(x)
+            ((z ** 2).mean() + kl).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        return [p.detach().clone() for p in model.parameters()], model
+
+    (graphed, model), (eager, _) = run(True), run(False)
+    assert ng.graphed_state(model).report()["replays"] == 4
+    assert all(map(torch.equal, graphed, eager))
+
+
 def test_eval_mode_runs_eager():
     model = ng.make_graphed_callables(nn.Sequential(nn.Linear(4, 4), nn.Dropout(0.5)), (torch.zeros(2, 4),))
     model.eval()

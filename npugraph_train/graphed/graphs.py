@@ -31,6 +31,7 @@ from typing import Any, ContextManager, Dict, List, Optional, Union
 from .backends import CAPTURE_ERROR_MODES, Backend, get_backend
 from .backends.base import NO_UPDATE
 from .errors import GraphCaptureError, GraphStateError
+from .user_code import library_hint, raised_through, user_source_line
 
 _EMPTY, _CAPTURING, _CAPTURED, _FAILED = "empty", "capturing", "captured", "failed"
 _capture_lock = threading.Lock()
@@ -219,23 +220,35 @@ class graph:
             raise _as_capture_error(exc) from exc
         self.npu_graph._finish_capture(ok=exc is None)
         if isinstance(exc, RuntimeError) and not isinstance(exc, (GraphCaptureError, GraphStateError)):
-            raise _as_capture_error(exc) from exc
+            raise _as_capture_error(exc, in_region=True, emulated=self.npu_graph.backend.name == "emulate") from exc
         return False
 
 
-def _as_capture_error(exc: BaseException) -> BaseException:
+def _as_capture_error(exc: BaseException, in_region: bool = False, emulated: bool = False) -> BaseException:
+    """A device's capture error, with what to do about it; ``in_region``: raised by the captured code itself,
+    whose frames then tell the user's line and, where torch's code did it, which argument or setting.
+    (The emulator raises its own errors for what a device cannot capture: any other one, ``emulated``, is the
+    code's own, which the common causes of device errors would only misexplain.)"""
     if isinstance(exc, (GraphCaptureError, GraphStateError)) or not isinstance(exc, RuntimeError):
         return exc
+    places = raised_through(exc) if in_region else []
+    where = f" at {user_source_line(places)}" if places else ""
+    hint = library_hint(places) if places else ""
     if "generator not in capture mode" in str(exc):  # CUDA's words for an unregistered torch.Generator
-        return GraphCaptureError(
-            f"graph capture failed: {exc}. An op drew from a torch.Generator of your own (generator=...), which a "
-            "CUDA graph draws from only when it is registered with it (CUDAGraph.register_generator_state), and "
-            "npugraph_train registers none; draw from the default generator (leave generator= out), or keep this "
-            "code outside the graph")
-    return GraphCaptureError(
-        f"graph capture failed: {exc}. Common causes: host syncs (.item(), printing tensors), ops on the "
-        "CPU or another device, capturing on the default stream, shapes or control flow that depend on "
-        "tensor values; on NPU also aclop-only operators (try torch.npu.config.allow_internal_format=False)")
+        advice = ("An op drew from a torch.Generator of your own (generator=...), which a CUDA graph draws from "
+                  "only when it is registered with it (CUDAGraph.register_generator_state), and npugraph_train "
+                  "registers none; draw from the default generator (leave generator= out), or keep this code "
+                  "outside the graph")
+    elif hint or emulated:
+        advice = ""
+    else:
+        advice = ("Common causes: host syncs (.item(), printing tensors), ops on the CPU or another device, "
+                  "capturing on the default stream, shapes or control flow that depend on tensor values; on NPU "
+                  "also aclop-only operators (try torch.npu.config.allow_internal_format=False). The emulate "
+                  "backend (backend='emulate', on a CPU) names the op that a device cannot capture")
+    source = "The error" if emulated else "The device's error"
+    # The error's own words last: CUDA's run over several lines.
+    return GraphCaptureError(f"graph capture failed{where}{hint}. {advice}{'. ' if advice else ''}{source}: {exc}")
 
 
 def graph_pool_handle(backend: Union[str, Backend, None] = None) -> Any:

@@ -67,7 +67,6 @@ from __future__ import annotations
 import copy
 import functools
 import itertools
-import sys
 import threading
 import warnings
 import weakref
@@ -83,7 +82,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 from ..errors import GraphCaptureError
 from ..handlers import DispatchRecord, apply_update, handler_for
 from ..state_attributes import storage_key, writes_in_place, written_tensors
-from ..user_code import user_source_line
+from ..user_code import library_hint, user_source_line
 from ..write_log import WriteLog
 from .base import Backend
 
@@ -130,21 +129,7 @@ _NO_HOST = (". A replayed graph runs without the host: it cannot hand device dat
 
 
 def _capture_error(what: str, why: str = _NO_HOST) -> GraphCaptureError:
-    return GraphCaptureError(f"{what} during graph capture at {user_source_line()}{_torch_module_hint()}{why}")
-
-
-def _torch_module_hint() -> str:
-    """Which torch module's own code did what the error says, where the user's line cannot show it."""
-    frame = sys._getframe(2)
-    while frame is not None:
-        module = frame.f_locals.get("self")
-        if (isinstance(module, torch.nn.modules.batchnorm._NormBase) and module.momentum is None
-                and frame.f_code.co_filename.endswith("batchnorm.py")):
-            return (f", in {type(module).__name__}({module.num_features}, momentum=None): a cumulative average reads "
-                    "num_batches_tracked on the host in every training call; give it a float momentum (the "
-                    "default is 0.1), or keep it eager")
-        frame = frame.f_back
-    return ""
+    return GraphCaptureError(f"{what} during graph capture at {user_source_line()}{library_hint()}{why}")
 
 
 def _seed_changed(what: str) -> GraphCaptureError:
