@@ -85,6 +85,11 @@ def library_hint(places: Optional[Iterable[Place]] = None) -> str:
             return (f", in the argument checks of torch.distributions.{type(owner).__name__} (validate_args), which "
                     f"read {checked} on the host; pass validate_args=False to it (or call torch.distributions."
                     "Distribution.set_default_validate_args(False) once), or keep this code eager")
+        if (isinstance(owner, torch.distributions.MultivariateNormal) and function == "__init__"
+                and path.endswith("multivariate_normal.py")):
+            return (", in torch.distributions.MultivariateNormal, which factorizes a covariance_matrix or "
+                    "precision_matrix with torch.linalg.cholesky, whose error check reads on the host; pass "
+                    "scale_tril= instead (torch.linalg.cholesky_ex(covariance).L)")
     return ""
 
 

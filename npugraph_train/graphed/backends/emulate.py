@@ -340,7 +340,8 @@ def _one_hot(tensor: torch.Tensor, num_classes: int = -1) -> torch.Tensor:
     # ATen's one_hot checks the index range with .item() on the CPU only (not on CUDA, NPU, MPS or XLA): as
     # on a device, no check. Without num_classes it needs the largest index on the host on every device.
     if num_classes < 0:
-        return torch.nn.functional.one_hot(tensor, num_classes)
+        raise _capture_error("torch.nn.functional.one_hot without num_classes reads the largest index on the host "
+                             "(on every device) to size its output", "; pass num_classes.")
     out = torch.zeros(*tensor.shape, num_classes, dtype=torch.long, device=tensor.device)
     return out.scatter_(-1, tensor.unsqueeze(-1), 1)
 
