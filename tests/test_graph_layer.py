@@ -248,6 +248,8 @@ def test_masked_put_of_several_values_is_refused_one_value_is_masked_fill():
 
 _SPD = torch.eye(4) * 4 + torch.ones(4, 4)
 _LENGTHS = torch.tensor([4, 3, 2, 1])
+_PARAM = nn.Parameter(torch.ones(4))
+_PARAM.grad = torch.ones(4)
 
 
 @pytest.mark.parametrize("op, why", [
@@ -274,6 +276,8 @@ _LENGTHS = torch.tensor([4, 3, 2, 1])
     (lambda: _SPD.to("cpu"), r"copying a tensor to the host \(Tensor.to\('cpu'\)"),
     (lambda: torch.isin(_LENGTHS, torch.arange(40, device=_SPD.device)), "isin against many.*assume_unique=True"),
     (lambda: nn.functional.one_hot(_LENGTHS), r"one_hot without num_classes reads the largest index on the host"),
+    (lambda: nn.utils.clip_grad_norm_([_PARAM], 1.0, error_if_nonfinite=True),
+     r"_local_scalar_dense.*, in torch\.nn\.utils\.clip_grad_norm_\(error_if_nonfinite=True\).*leave"),
     (lambda: torch.distributions.MultivariateNormal(_SPD[0], _SPD, validate_args=False).rsample(),
      r"cholesky_ex.*, in torch.distributions.MultivariateNormal, which factorizes.*pass scale_tril="),
 ])

@@ -85,6 +85,9 @@ def library_hint(places: Optional[Iterable[Place]] = None) -> str:
             return (f", in the argument checks of torch.distributions.{type(owner).__name__} (validate_args), which "
                     f"read {checked} on the host; pass validate_args=False to it (or call torch.distributions."
                     "Distribution.set_default_validate_args(False) once), or keep this code eager")
+        if path.endswith(os.path.join("nn", "utils", "clip_grad.py")) and frame.f_locals.get("error_if_nonfinite"):
+            return (", in torch.nn.utils.clip_grad_norm_(error_if_nonfinite=True), which checks the norm on the host; "
+                    "leave error_if_nonfinite False (the default), or use npugraph_train.optim.clip_grad_norm_")
         if (isinstance(owner, torch.distributions.MultivariateNormal) and function == "__init__"
                 and path.endswith("multivariate_normal.py")):
             return (", in torch.distributions.MultivariateNormal, which factorizes a covariance_matrix or "
