@@ -217,11 +217,20 @@ class graph:
             self.npu_graph._finish_capture(ok=False)
             if exc is None:
                 raise _as_capture_error(end_error) from end_error
-            raise _as_capture_error(exc) from exc
+            # A device refuses to end a capture that an error in the region invalidated (CUDA: "operation failed
+            # due to a previous error during capture"): the error in the region is the one to see.
+            self._raise_region_error(exc)
+            exc.__suppress_context__ = True
+            raise exc
         self.npu_graph._finish_capture(ok=exc is None)
-        if isinstance(exc, RuntimeError) and not isinstance(exc, (GraphCaptureError, GraphStateError)):
-            raise _as_capture_error(exc, in_region=True, emulated=self.npu_graph.backend.name == "emulate") from exc
+        if exc is not None:
+            self._raise_region_error(exc)
         return False
+
+    def _raise_region_error(self, exc: BaseException) -> None:
+        error = _as_capture_error(exc, in_region=True, emulated=self.npu_graph.backend.name == "emulate")
+        if error is not exc:
+            raise error from exc
 
 
 def _as_capture_error(exc: BaseException, in_region: bool = False, emulated: bool = False) -> BaseException:
@@ -233,7 +242,10 @@ def _as_capture_error(exc: BaseException, in_region: bool = False, emulated: boo
         return exc
     places = raised_through(exc) if in_region else []
     where = f" at {user_source_line(places)}" if places else ""
-    hint = library_hint(places) if places else ""
+    # Only for the device's refusals of capture (its words name it): an error of the code's own (a shape
+    # mismatch in a BatchNorm, on a device or the emulator, whose own refusals carry their hint) is not
+    # explained by what torch's code would read on the host there.
+    hint = library_hint(places) if places and not emulated and "captur" in str(exc).lower() else ""
     if "generator not in capture mode" in str(exc):  # CUDA's words for an unregistered torch.Generator
         advice = ("An op drew from a torch.Generator of your own (generator=...), which a CUDA graph draws from "
                   "only when it is registered with it (CUDAGraph.register_generator_state), and npugraph_train "

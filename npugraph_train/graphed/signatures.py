@@ -28,10 +28,10 @@ _LAYOUTS: Dict[Tuple[tuple, tuple], Optional[tuple]] = {}
 
 
 def _strided_layout(t: torch.Tensor) -> Optional[tuple]:
-    # (For a tensor that is not contiguous.) Kernels may pick another algorithm for another layout (a transposed or channels_last input): a
-    # replay on a copy in the capture's layout would not give eager's bits. The layout is that of the static
-    # copy a call's tensor would get (clone keeps a dense layout, densifies an expanded one); strides of
-    # size-1 dims say nothing.
+    # (For a tensor that is not contiguous.) Kernels may pick another algorithm for another layout (a transposed or
+    # channels_last input): a replay on a copy in the capture's layout would not give eager's bits. The layout is
+    # that of the static copy a call's tensor would get (clone keeps a dense layout, densifies an expanded one);
+    # strides of size-1 dims say nothing.
     key = (tuple(t.shape), t.stride())
     if key not in _LAYOUTS:
         if len(_LAYOUTS) > 4096:  # varying lengths of a non-contiguous input: keep the cache small
@@ -94,14 +94,15 @@ _new_tuple = tuple.__new__
 
 
 def signature(spec: Any, leaves: Sequence[Any], backend: Backend, param_flags: Tuple[bool, ...]) -> Signature:
-    # Computed on every call of every graphed block, so the common call, one positional tensor, is built inline
-    # (each Python call saved is a fraction of a microsecond per block and step).
+    # Computed on every call of every graphed block: the common call, one positional tensor, skips the generator
+    # and the alias scan (each Python call saved is a fraction of a microsecond per block and step).
     # A TreeSpec hashes in Python (about 3 us a lookup); the specs of positional-tensor calls have a token.
     # tuple.__new__ skips the Python frame of Signature's own __new__ (a quarter of a microsecond a call).
     grad_enabled = torch.is_grad_enabled()
     if len(leaves) == 1 and isinstance(leaves[0], torch.Tensor):
-        return _new_tuple(Signature, (_SPEC_TOKENS.get(id(spec), spec), (_tensor_signature(leaves[0], grad_enabled),),
-                                      backend.autocast_state(), param_flags, ()))
+        leaf = _tensor_signature(leaves[0], grad_enabled)
+        return _new_tuple(Signature, (_SPEC_TOKENS.get(id(spec), spec), (leaf,), backend.autocast_state(), param_flags,
+                                      ()))
     return _new_tuple(Signature, (_SPEC_TOKENS.get(id(spec), spec),
                                   tuple(_leaf_signature(t, grad_enabled) for t in leaves),
                                   backend.autocast_state(), param_flags, aliases(leaves)))

@@ -15,6 +15,8 @@ from types import FrameType
 from typing import Iterable, Iterator, List, Optional, Tuple, Type
 
 import torch
+from torch.distributions import Distribution, MultivariateNormal
+from torch.nn.modules.batchnorm import _NormBase
 
 _SKIP_DIRS = tuple(os.path.dirname(p) + os.sep for p in (torch.__file__, os.path.dirname(__file__)))
 _STDLIB = sysconfig.get_paths()["stdlib"] + os.sep
@@ -70,30 +72,64 @@ def user_source_line(places: Optional[Iterable[Place]] = None) -> str:
 def library_hint(places: Optional[Iterable[Place]] = None) -> str:
     """Which torch code made a graph capture fail, where the user's line cannot show it (an argument check, a
     setting of a module), and how to avoid it; "" where none is known. ``places``: as for
-    :func:`user_source_line`."""
-    for frame, _ in outward(sys._getframe(1)) if places is None else places:
-        owner = frame.f_locals.get("self")
+    :func:`user_source_line`. Each hint holds only where that code reads on the host (a BatchNorm's cumulative
+    average in training), not wherever its frame is on the stack."""
+    frames = [frame for frame, _ in (outward(sys._getframe(1)) if places is None else places)]
+    clip_function = None  # the outermost of clip_grad.py's functions checking the norm: the one the user called
+    for index, frame in enumerate(frames):
+        cls = type(frame.f_locals.get("self"))  # (type(): isinstance would ask a proxy object, which may raise)
         path, function = frame.f_code.co_filename, frame.f_code.co_name
-        if (isinstance(owner, torch.nn.modules.batchnorm._NormBase) and owner.momentum is None
-                and path.endswith("batchnorm.py")):
-            return (f", in {type(owner).__name__}({owner.num_features}, momentum=None): a cumulative average reads "
-                    "num_batches_tracked on the host in every training call; give it a float momentum (the "
-                    "default is 0.1), or keep it eager")
-        if (isinstance(owner, torch.distributions.Distribution) and function in ("__init__", "_validate_sample")
-                and path.endswith(os.path.join("distributions", "distribution.py"))):
+        if path == _TRANSFORMER and function == "_detect_is_causal_mask" and frame.f_locals.get("is_causal") is None:
+            return (", in nn.TransformerEncoder/nn.TransformerDecoder/nn.Transformer's check whether the attention "
+                    "mask is causal (is_causal=None, the default), which compares the mask on the host; say it: "
+                    "is_causal=True where the mask is causal, else is_causal=False (nn.TransformerDecoder: "
+                    "tgt_is_causal=; nn.Transformer: src_is_causal=, tgt_is_causal=)")
+        if path == _BATCHNORM and issubclass(cls, _NormBase):
+            module = frame.f_locals["self"]
+            if module.momentum is None and module.training and module.track_running_stats:
+                return (f", in {cls.__name__}({module.num_features}, momentum=None): a cumulative average reads "
+                        "num_batches_tracked on the host in every training call; give it a float momentum (the "
+                        "default is 0.1), or keep it eager")
+        elif path == _DISTRIBUTION and function in ("__init__", "_validate_sample") and issubclass(cls, Distribution):
             checked = "its parameters" if function == "__init__" else "the value given to log_prob/cdf"
-            return (f", in the argument checks of torch.distributions.{type(owner).__name__} (validate_args), which "
-                    f"read {checked} on the host; pass validate_args=False to it (or call torch.distributions."
+            # OneHotCategorical, Multinomial, RelaxedBernoulli...: one made with validate_args=False makes another
+            # distribution inside, without passing it on.
+            outer = next((type(f.f_locals.get("self")) for f in frames[index + 1:]
+                          if f.f_code.co_name == "__init__" and f.f_code.co_filename.startswith(_DISTRIBUTIONS)
+                          and f.f_locals.get("validate_args") is False
+                          and issubclass(type(f.f_locals.get("self")), Distribution)), None)
+            if outer is not None:
+                return (f", in the argument checks of the torch.distributions.{cls.__name__} that "
+                        f"torch.distributions.{outer.__name__} makes inside, which do not take its validate_args=False "
+                        f"and read {checked} on the host; call torch.distributions.Distribution."
+                        "set_default_validate_args(False) once, or keep this code eager")
+            return (f", in the argument checks of torch.distributions.{cls.__name__} (validate_args), which read "
+                    f"{checked} on the host; pass validate_args=False to it (or call torch.distributions."
                     "Distribution.set_default_validate_args(False) once), or keep this code eager")
-        if path.endswith(os.path.join("nn", "utils", "clip_grad.py")) and frame.f_locals.get("error_if_nonfinite"):
-            return (", in torch.nn.utils.clip_grad_norm_(error_if_nonfinite=True), which checks the norm on the host; "
-                    "leave error_if_nonfinite False (the default), or use npugraph_train.optim.clip_grad_norm_")
-        if (isinstance(owner, torch.distributions.MultivariateNormal) and function == "__init__"
-                and path.endswith("multivariate_normal.py")):
-            return (", in torch.distributions.MultivariateNormal, which factorizes a covariance_matrix or "
-                    "precision_matrix with torch.linalg.cholesky, whose error check reads on the host; pass "
-                    "scale_tril= instead (torch.linalg.cholesky_ex(covariance).L)")
-    return ""
+        elif path == _MULTIVARIATE_NORMAL and function == "__init__" and issubclass(cls, MultivariateNormal):
+            given = "precision_matrix" if frame.f_locals.get("precision_matrix") is not None else "covariance_matrix"
+            recipe = ("torch.linalg.cholesky_ex(covariance).L" if given == "covariance_matrix" else
+                      "torch.distributions.multivariate_normal._precision_to_scale_tril's recipe, with "
+                      "torch.linalg.cholesky_ex in place of torch.linalg.cholesky")
+            return (f", in torch.distributions.MultivariateNormal, which factorizes its {given} with "
+                    f"torch.linalg.cholesky, whose error check reads on the host; pass scale_tril= instead ({recipe})")
+        elif path == _CLIP_GRAD and frame.f_locals.get("error_if_nonfinite") is True:
+            clip_function = function
+    if clip_function is None:
+        return ""
+    public = clip_function.lstrip("_")
+    replacement = (", or use npugraph_train.optim.clip_grad_norm_" if public in ("clip_grad_norm_", "clip_grad_norm")
+                   else "")
+    return (f", in torch.nn.utils.{public}(error_if_nonfinite=True), which checks the norm on the host; leave "
+            f"error_if_nonfinite False (the default){replacement}")
+
+
+_BATCHNORM = torch.nn.modules.batchnorm.__file__
+_TRANSFORMER = torch.nn.modules.transformer.__file__
+_DISTRIBUTIONS = os.path.dirname(torch.distributions.__file__) + os.sep
+_DISTRIBUTION = torch.distributions.distribution.__file__
+_MULTIVARIATE_NORMAL = torch.distributions.multivariate_normal.__file__
+_CLIP_GRAD = torch.nn.utils.clip_grad.__file__
 
 
 def warn_at_user_code(message: str, category: Type[Warning] = RuntimeWarning) -> None:

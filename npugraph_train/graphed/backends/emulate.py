@@ -129,7 +129,10 @@ _NO_HOST = (". A replayed graph runs without the host: it cannot hand device dat
 
 
 def _capture_error(what: str, why: str = _NO_HOST) -> GraphCaptureError:
-    return GraphCaptureError(f"{what} during graph capture at {user_source_line()}{library_hint()}{why}")
+    hint = library_hint()
+    # Where torch's own code did it, the hint's fix is the one; moving code or torch.where would not apply.
+    return GraphCaptureError(f"{what} during graph capture at {user_source_line()}"
+                             + (f"{hint}." if hint and why is _NO_HOST else f"{hint}{why}"))
 
 
 def _seed_changed(what: str) -> GraphCaptureError:
