@@ -255,6 +255,14 @@ _ENCODER = nn.TransformerEncoder(nn.TransformerEncoderLayer(4, 2, 8, dropout=0.0
 _CAUSAL = nn.Transformer.generate_square_subsequent_mask(4)
 
 
+class _UserPosterior(torch.distributions.Distribution):
+    """A distribution of the user's own that works through a Normal it makes (checking its arguments)."""
+
+    def __init__(self, loc):
+        self.base = torch.distributions.Normal(loc, loc.exp())
+        super().__init__(validate_args=False)
+
+
 @pytest.mark.parametrize("op, why", [
     (lambda: torch.linalg.cholesky(_SPD), "_linalg_check_errors.*cholesky_ex"),
     (lambda: torch.linalg.inv(_SPD), "_linalg_check_errors.*inv_ex"),
@@ -287,8 +295,10 @@ _CAUSAL = nn.Transformer.generate_square_subsequent_mask(4)
     (lambda: _ENCODER(_SPD[None], mask=_CAUSAL),
      r"_local_scalar_dense.*, in nn\.TransformerEncoder/.*mask is causal \(is_causal=None, the default\)"),
     (lambda: torch.distributions.OneHotCategorical(logits=_SPD, validate_args=False),  # its inner Categorical checks
-     r", in the argument checks of the torch\.distributions\.Categorical that torch\.distributions\."
-     r"OneHotCategorical makes inside.*set_default_validate_args\(False\)"),
+     r", in the argument checks of the Categorical that torch\.distributions\.OneHotCategorical works through \(a "
+     r"validate_args given to OneHotCategorical does not reach it\).*set_default_validate_args\(False\)"),
+    (lambda: _UserPosterior(_SPD), r", in the argument checks of torch\.distributions\.Normal \(validate_args\).*"
+                                   r"pass validate_args=False to it"),  # a Normal the user's own class makes
     (lambda: torch.distributions.MultivariateNormal(_SPD[0], precision_matrix=_SPD, validate_args=False).rsample(),
      r"factorizes its precision_matrix.*_precision_to_scale_tril's recipe"),
     (lambda: torch.distributions.MultivariateNormal(_SPD[0], _SPD, validate_args=False).rsample(),
@@ -702,9 +712,11 @@ def test_cuda_refusing_an_unregistered_generator_is_explained():
 _DEVICE = {}
 exec(compile("from torch.utils._python_dispatch import TorchDispatchMode\n"
              "class CapturingDevice(TorchDispatchMode):\n"
+             "    refused = ('_local_scalar_dense', 'is_nonzero')\n"
+             "    message = 'CUDA error: operation not permitted when stream is capturing'\n"
              "    def __torch_dispatch__(self, func, types, args=(), kwargs=None):\n"
-             "        if func.__name__ in ('_local_scalar_dense.default', 'is_nonzero.default'):\n"
-             "            raise RuntimeError('CUDA error: operation not permitted when stream is capturing')\n"
+             "        if func.__name__.split('.')[0] in self.refused:\n"
+             "            raise RuntimeError(self.message)\n"
              "        return func(*args, **(kwargs or {}))\n", torch.__file__, "exec"), _DEVICE)
 
 
@@ -748,6 +760,58 @@ def test_a_device_capture_error_names_the_users_line_and_the_torch_setting_behin
                      re.DOTALL), message
     assert ("Common causes" in message) == (kind in ("plain", "batchnorm eval"))
     assert "previous error during capture" not in message
+
+
+@pytest.mark.parametrize("refused, message, code", [
+    (("_local_scalar_dense", "is_nonzero"), "an error of the code's own",
+     lambda x: torch.distributions.Normal(x, x.exp())),  # not a capture refusal: not the argument checks' doing
+    (("native_batch_norm",), "CUDA error: operation not permitted when stream is capturing",
+     lambda x: nn.BatchNorm1d(2, momentum=None).eval()(x)),  # in eval it reads nothing on the host
+])
+def test_a_device_error_gets_no_hint_where_the_torch_code_is_not_its_cause(refused, message, code, cuda_double,
+                                                                            monkeypatch):
+    monkeypatch.setattr(_DEVICE["CapturingDevice"], "refused", refused)
+    monkeypatch.setattr(_DEVICE["CapturingDevice"], "message", message)
+    with pytest.raises(GraphCaptureError) as caught:
+        with ng.graph(ng.Graph()), _DEVICE["CapturingDevice"]():
+            code(torch.ones(3, 2))
+    assert str(caught.value).endswith("The device's error: " + message) and ", in " not in str(caught.value)
+
+
+@pytest.mark.parametrize("message, refused", [
+    ("CUDA error: operation not permitted when stream is capturing", True),
+    ("CUDA error: operation would make the legacy stream depend on a capturing blocking stream", True),
+    ("NPU function error: aclrtMemcpy, error code is 107030\n[ERROR] ... the current capture mode does not support "
+     "this operation", True),
+    ("NPU function error: aclrtSynchronizeStream, error code is 107027\n[ERROR] ERR00100 PTA call acl api failed.",
+     True),  # torch_npu's words when CANN's own are empty: the code of a stream-capture error
+    ("NPU function error: aclrtMalloc, error code is 207001", False),
+    ("running_mean should contain 2 elements not 4", False),
+])
+def test_a_device_refusing_capture_is_told_from_the_codes_own_errors(message, refused):
+    from npugraph_train.graphed.graphs import _refused_capture
+
+    assert _refused_capture(RuntimeError(message)) is refused
+
+
+@pytest.mark.parametrize("backend", ["emulate", "cuda"])
+def test_an_error_in_the_region_keeps_its_own_context_when_the_capture_cannot_end(backend, monkeypatch, request):
+    if backend == "cuda":
+        request.getfixturevalue("cuda_double")
+    end_capture = type(ng.Graph().native).capture_end
+
+    def invalidated(native):
+        end_capture(native)
+        raise RuntimeError("CUDA error: operation failed due to a previous error during capture")
+
+    monkeypatch.setattr(type(ng.Graph().native), "capture_end", invalidated)
+    with pytest.raises(ValueError) as caught:
+        with ng.graph(ng.Graph()):
+            try:
+                {}["missing"]
+            except KeyError:
+                raise ValueError("the code's own error")
+    assert isinstance(caught.value.__context__, KeyError) and not caught.value.__suppress_context__
 
 
 def test_an_error_of_the_captured_code_on_the_emulator_names_its_line_without_device_advice():

@@ -25,6 +25,7 @@ The same code runs on an Ascend NPU (torch_npu), a CUDA GPU and the CPU emulator
 """
 from __future__ import annotations
 
+import re
 import threading
 from typing import Any, ContextManager, Dict, List, Optional, Union
 
@@ -218,19 +219,15 @@ class graph:
             if exc is None:
                 raise _as_capture_error(end_error) from end_error
             # A device refuses to end a capture that an error in the region invalidated (CUDA: "operation failed
-            # due to a previous error during capture"): the error in the region is the one to see.
-            self._raise_region_error(exc)
-            exc.__suppress_context__ = True
-            raise exc
-        self.npu_graph._finish_capture(ok=exc is None)
+            # due to a previous error during capture"): the error in the region is the one to see, raised below
+            # outside this handler, so that its own context stays its own.
+        else:
+            self.npu_graph._finish_capture(ok=exc is None)
         if exc is not None:
-            self._raise_region_error(exc)
+            error = _as_capture_error(exc, in_region=True, emulated=self.npu_graph.backend.name == "emulate")
+            if error is not exc:
+                raise error from exc
         return False
-
-    def _raise_region_error(self, exc: BaseException) -> None:
-        error = _as_capture_error(exc, in_region=True, emulated=self.npu_graph.backend.name == "emulate")
-        if error is not exc:
-            raise error from exc
 
 
 def _as_capture_error(exc: BaseException, in_region: bool = False, emulated: bool = False) -> BaseException:
@@ -245,7 +242,7 @@ def _as_capture_error(exc: BaseException, in_region: bool = False, emulated: boo
     # Only for the device's refusals of capture (its words name it): an error of the code's own (a shape
     # mismatch in a BatchNorm, on a device or the emulator, whose own refusals carry their hint) is not
     # explained by what torch's code would read on the host there.
-    hint = library_hint(places) if places and not emulated and "captur" in str(exc).lower() else ""
+    hint = library_hint(places) if places and not emulated and _refused_capture(exc) else ""
     if "generator not in capture mode" in str(exc):  # CUDA's words for an unregistered torch.Generator
         advice = ("An op drew from a torch.Generator of your own (generator=...), which a CUDA graph draws from "
                   "only when it is registered with it (CUDAGraph.register_generator_state), and npugraph_train "
@@ -261,6 +258,14 @@ def _as_capture_error(exc: BaseException, in_region: bool = False, emulated: boo
     source = "The error" if emulated else "The device's error"
     # The error's own words last: CUDA's run over several lines.
     return GraphCaptureError(f"graph capture failed{where}{hint}. {advice}{'. ' if advice else ''}{source}: {exc}")
+
+
+def _refused_capture(exc: BaseException) -> bool:
+    """Whether a device's error says that it refused an operation during capture: CUDA's "operation not permitted
+    when stream is capturing" and the like, CANN's "the current capture mode does not support this operation"
+    (107030), or a torch_npu message with only the code of a stream-capture error."""
+    message = str(exc)
+    return "captur" in message.lower() or re.search(r"error code is 1070(2[4-9]|30)\b", message) is not None
 
 
 def graph_pool_handle(backend: Union[str, Backend, None] = None) -> Any:

@@ -92,20 +92,21 @@ def library_hint(places: Optional[Iterable[Place]] = None) -> str:
                         "default is 0.1), or keep it eager")
         elif path == _DISTRIBUTION and function in ("__init__", "_validate_sample") and issubclass(cls, Distribution):
             checked = "its parameters" if function == "__init__" else "the value given to log_prob/cdf"
-            # OneHotCategorical, Multinomial, RelaxedBernoulli...: one made with validate_args=False makes another
-            # distribution inside, without passing it on.
-            outer = next((type(f.f_locals.get("self")) for f in frames[index + 1:]
-                          if f.f_code.co_name == "__init__" and f.f_code.co_filename.startswith(_DISTRIBUTIONS)
-                          and f.f_locals.get("validate_args") is False
-                          and issubclass(type(f.f_locals.get("self")), Distribution)), None)
-            if outer is not None:
-                return (f", in the argument checks of the torch.distributions.{cls.__name__} that "
-                        f"torch.distributions.{outer.__name__} makes inside, which do not take its validate_args=False "
-                        f"and read {checked} on the host; call torch.distributions.Distribution."
-                        "set_default_validate_args(False) once, or keep this code eager")
-            return (f", in the argument checks of torch.distributions.{cls.__name__} (validate_args), which read "
-                    f"{checked} on the host; pass validate_args=False to it (or call torch.distributions."
-                    "Distribution.set_default_validate_args(False) once), or keep this code eager")
+            # OneHotCategorical, Multinomial, RelaxedBernoulli...: torch's distributions that work through another
+            # one inside, made without their validate_args. The outermost is the one the user made.
+            owner = frame.f_locals["self"]
+            outer = [type(f.f_locals.get("self")) for f in frames[index + 1:]
+                     if f.f_code.co_filename.startswith(_DISTRIBUTIONS)
+                     and issubclass(type(f.f_locals.get("self")), Distribution) and f.f_locals.get("self") is not owner]
+            if outer:
+                made = _distribution_name(outer[-1])
+                return (f", in the argument checks of the {cls.__name__} that {made} works through (a validate_args "
+                        f"given to {made.rsplit('.', 1)[-1]} does not reach it), which read {checked} on the host; "
+                        "call torch.distributions.Distribution.set_default_validate_args(False) once, or keep this "
+                        "code eager")
+            return (f", in the argument checks of {_distribution_name(cls)} (validate_args), which read {checked} on "
+                    "the host; pass validate_args=False to it (or call torch.distributions.Distribution."
+                    "set_default_validate_args(False) once), or keep this code eager")
         elif path == _MULTIVARIATE_NORMAL and function == "__init__" and issubclass(cls, MultivariateNormal):
             given = "precision_matrix" if frame.f_locals.get("precision_matrix") is not None else "covariance_matrix"
             recipe = ("torch.linalg.cholesky_ex(covariance).L" if given == "covariance_matrix" else
@@ -122,6 +123,10 @@ def library_hint(places: Optional[Iterable[Place]] = None) -> str:
                    else "")
     return (f", in torch.nn.utils.{public}(error_if_nonfinite=True), which checks the norm on the host; leave "
             f"error_if_nonfinite False (the default){replacement}")
+
+
+def _distribution_name(cls: type) -> str:
+    return f"torch.distributions.{cls.__name__}" if cls.__module__.startswith("torch.") else cls.__qualname__
 
 
 _BATCHNORM = torch.nn.modules.batchnorm.__file__
