@@ -155,6 +155,40 @@ def test_on_failure_raise_stops_with_capture_error():
     assert status["sync"].startswith("capture failed: ") and "x.mean().item()" in status["sync"], status
 
 
+class WithCausalEncoder(Regressor):
+    """nn.TransformerEncoder given a causal mask, with is_causal left None: torch's own code checks the mask."""
+
+    def __init__(self, is_causal=None):
+        super().__init__(width=8, depth=0)
+        self.encoder = nn.TransformerEncoder(nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, batch_first=True), 1,
+                                             enable_nested_tensor=False)
+        self.register_buffer("mask", nn.Transformer.generate_square_subsequent_mask(2))
+        self.is_causal = is_causal
+
+    def forward(self, x):
+        h = self.encoder(x.view(-1, 2, 2).repeat(1, 1, 4), mask=self.mask, is_causal=self.is_causal)  # causal_call
+        return self.head(h.mean(1))
+
+
+def test_a_capture_error_names_the_users_call_of_the_module_and_the_fix():
+    # The callback captures torch's module at the start of a step, outside the user's code: the stack holds only
+    # trainer.fit, the recording step saw the line that called the module.
+    train, val = loaders()
+    with pytest.raises(ngt.GraphCaptureError) as caught:
+        trainer([NPUGraphCallback(warmup_steps=2, modules=["encoder"])]).fit(WithCausalEncoder(), train, val)
+    assert re.search(r"capturing encoder failed.*at .*test_callback\.py:\d+: .*# causal_call, in "
+                     r"nn\.TransformerEncoder/.*is_causal=True where the mask is causal", str(caught.value))
+
+    torch.manual_seed(0)
+    eager = WithCausalEncoder(is_causal=True)
+    trainer([]).fit(eager, train, val)
+    torch.manual_seed(0)
+    model = WithCausalEncoder(is_causal=True)  # the fix: graphed, and the same parameters as eager
+    callback = NPUGraphCallback(warmup_steps=2, modules=["encoder"])
+    trainer([callback]).fit(model, train, val)
+    assert callback.report()[0]["replays"] > 0 and _same_params(eager, model)
+
+
 def test_on_failure_eager_leaves_that_module_eager():
     torch.manual_seed(0)
     eager = WithHostSync()

@@ -16,6 +16,7 @@ from ..graphed import GraphCaptureError, graph_safe_modules, graphed_state, make
 from ..graphed.backends import Backend
 from ..graphed.marker import GraphSafeOptions, merge_options
 from ..graphed.signatures import static_copies
+from ..graphed.user_code import calls_made_at, user_source_line
 from .batch import BatchKey, describe, key_of, ready_to_capture
 from .report import ENDED_BEFORE_CAPTURE, NOT_CAPTURED
 
@@ -71,6 +72,7 @@ class SubmoduleGrapher:
         self.captured = False
         self._samples: Dict[str, Tuple[tuple, dict]] = {}
         self._autocast: Dict[str, Tuple[bool, torch.dtype]] = {}  # the autocast state each recorded call ran in
+        self._call_sites: Dict[int, str] = {}  # id(module): the user's line that made the recorded call
         self._order: List[str] = []
         self._recorded_key: Optional[BatchKey] = None
         self._recording_complete = False  # the recording step reached on_train_batch_end (not skipped)
@@ -107,7 +109,7 @@ class SubmoduleGrapher:
 
     def start_recording(self) -> None:
         self.stop_recording()
-        self._samples, self._order, self._recording_complete = {}, [], False
+        self._samples, self._order, self._recording_complete, self._call_sites = {}, [], False, {}
         with_grad: Dict[str, bool] = {}
         for name, module in self.modules:
             def record(mod: nn.Module, args: tuple, kwargs: dict, name: str = name) -> None:
@@ -122,6 +124,7 @@ class SubmoduleGrapher:
                 if name in self._samples:
                     self._order.remove(name)
                 self._samples[name] = _samples(args, kwargs)
+                self._call_sites[id(mod)] = user_source_line()
                 self._autocast[name] = self.backend.autocast_state()
                 self._order.append(name)
                 with_grad[name] = grad
@@ -153,7 +156,7 @@ class SubmoduleGrapher:
             groups.setdefault(self._autocast[name], []).append(name)
         for state, names in groups.items():
             self._capture_group(names, forward_context, state)
-        self._samples, self._autocast = {}, {}
+        self._samples, self._autocast, self._call_sites = {}, {}, {}
 
     def _capture_group(self, pending: List[str], forward_context: Callable[[], ContextManager],
                        autocast: Tuple[bool, torch.dtype]) -> None:
@@ -164,7 +167,8 @@ class SubmoduleGrapher:
             try:
                 # The plugin's context (a dtype for "-true" precisions), then the autocast state of the calls.
                 with torch.enable_grad(), forward_context(), torch.autocast(
-                        self.backend.device_type, enabled=autocast[0], dtype=autocast[1], cache_enabled=False):
+                        self.backend.device_type, enabled=autocast[0], dtype=autocast[1], cache_enabled=False), \
+                        calls_made_at(self._call_sites):
                     make_graphed_callables(
                         tuple(modules[name] for name in pending),
                         tuple(self._samples[name][0] for name in pending),

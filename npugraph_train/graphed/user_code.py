@@ -6,13 +6,15 @@ argument check, a module setting), :func:`library_hint` says which and how to av
 """
 from __future__ import annotations
 
+import contextlib
 import linecache
 import os
 import sys
 import sysconfig
+import threading
 import warnings
 from types import FrameType
-from typing import Iterable, Iterator, List, Optional, Tuple, Type
+from typing import Dict, Iterable, Iterator, List, Optional, Tuple, Type
 
 import torch
 from torch.distributions import Distribution, MultivariateNormal
@@ -61,12 +63,38 @@ def user_frame() -> Optional[FrameType]:
 
 
 def user_source_line(places: Optional[Iterable[Place]] = None) -> str:
-    """``file:line: code`` of the user's innermost frame among ``places`` (default: the caller's stack)."""
-    place = _user_place(outward(sys._getframe(1)) if places is None else places)
-    if place is None:
-        return "<unknown source line>"
-    path, line = place[0].f_code.co_filename, place[1]
-    return f"{path}:{line}: {linecache.getline(path, line).strip()}"
+    """``file:line: code`` of the user's innermost frame among ``places`` (default: the caller's stack); inside
+    :func:`calls_made_at`, the recorded call site of the module being run where no user frame comes first."""
+    sites = getattr(_call_sites, "current", None)
+    running = None  # the innermost of the recorded modules whose code is on the stack
+    for frame, line in outward(sys._getframe(1)) if places is None else places:
+        if sites is not None:
+            if frame is sites[0]:
+                if running is not None:
+                    return running
+                sites = None
+            elif running is None:
+                running = sites[1].get(id(frame.f_locals.get("self")))
+        if not _is_library(frame):
+            path = frame.f_code.co_filename
+            return f"{path}:{line}: {linecache.getline(path, line).strip()}"
+    return "<unknown source line>"
+
+
+_call_sites = threading.local()
+
+
+@contextlib.contextmanager
+def calls_made_at(sites: Dict[int, str]) -> Iterator[None]:
+    """Modules run again outside the user's code (a callback capturing them after recording their calls):
+    errors inside the block name ``sites[id(module)]``, where the user called the module, instead of the
+    ``trainer.fit`` line that the stack holds."""
+    previous = getattr(_call_sites, "current", None)
+    _call_sites.current = (sys._getframe(2), sites)  # (the frame of the with statement: past it, the caller's)
+    try:
+        yield
+    finally:
+        _call_sites.current = previous
 
 
 def library_hint(places: Optional[Iterable[Place]] = None) -> str:
