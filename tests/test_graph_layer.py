@@ -235,6 +235,17 @@ def test_ops_whose_output_shape_a_device_knows_are_captured():
         _replayed(lambda: x[:2].repeat_interleave(reps, dim=0))
 
 
+def test_a_selection_by_mask_is_refused_with_its_fixed_shape_form():
+    x = torch.randn(6, 5)
+    with pytest.raises(GraphCaptureError, match=r"aten\.index\.Tensor has an output shape that depends on tensor "
+                                                r"data.*keep the full shape and mask instead \(x\[mask\]\.mean\(\) "
+                                                r"-> \(x \* mask\)\.sum\(\) / mask\.sum\(\)"):
+        _replayed(lambda: x[x > 0].mean())
+    mask = x > 0
+    out, eager = _replayed(lambda: (x * mask).sum() / mask.sum())  # the advice captures, as eager
+    assert torch.equal(out, eager)
+
+
 def test_masked_put_of_several_values_is_refused_one_value_is_masked_fill():
     x, mask = torch.zeros(4, 5), torch.tensor([True, False, True, False])
     columns = torch.tensor([1, 3])

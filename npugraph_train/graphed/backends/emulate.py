@@ -128,6 +128,12 @@ _NO_HOST = (". A replayed graph runs without the host: it cannot hand device dat
             "Python branch, a tensor made before capture).")
 
 
+# Selections by a mask (x[mask], masked_select, nonzero, unique) are the usual cause, in losses and metrics.
+_DATA_SHAPED = ("; a graph replays fixed shapes: keep the full shape and mask instead (x[mask].mean() -> "
+                "(x * mask).sum() / mask.sum(), x[mask] = v -> torch.where(mask, v, x), an ignored label -> "
+                "cross_entropy's ignore_index), or move this out of the captured region.")
+
+
 def _capture_error(what: str, why: str = _NO_HOST) -> GraphCaptureError:
     hint = library_hint()
     # Where torch's own code did it, the hint's fix is the one; moving code or torch.where would not apply.
@@ -365,7 +371,7 @@ class _Recorder(TorchDispatchMode):
         if hidden:
             raise _capture_error(f"op {func} reads tensor data on the host on a device ({hidden})")
         if torch.Tag.dynamic_output_shape in func.tags and not _shape_given(func, args, kwargs):
-            raise _capture_error(f"op {func} has an output shape that depends on tensor data")
+            raise _capture_error(f"op {func} has an output shape that depends on tensor data", _DATA_SHAPED)
         if func in _INDEX_PUT_OPS and _mask_needs_indices(args, kwargs):
             raise _capture_error(f"op {func} with a boolean mask turns the mask into indices (nonzero) on the "
                                  "host; use torch.where(mask, values, x), or x.masked_fill_(mask, number)")
