@@ -239,10 +239,13 @@ def test_a_selection_by_mask_is_refused_with_its_fixed_shape_form():
     x = torch.randn(6, 5)
     with pytest.raises(GraphCaptureError, match=r"aten\.index\.Tensor has an output shape that depends on tensor "
                                                 r"data.*keep the full shape and mask instead \(x\[mask\]\.mean\(\) "
-                                                r"-> \(x \* mask\)\.sum\(\) / mask\.sum\(\)"):
+                                                r"-> torch\.where\(mask, x, 0\)\.sum\(\) / mask\.sum\(\)"):
         _replayed(lambda: x[x > 0].mean())
     mask = x > 0
-    out, eager = _replayed(lambda: (x * mask).sum() / mask.sum())  # the advice captures, as eager
+    x[0, 0] = float("inf")  # masked out below: where() keeps it out of the sum, x * mask would not
+    mask[0, 0] = False
+    out, eager = _replayed(lambda: torch.where(mask, x, 0).sum() / mask.sum())  # the advice captures, as eager
+    assert torch.isfinite(out) and torch.allclose(out, x[mask].mean())
     assert torch.equal(out, eager)
 
 

@@ -130,8 +130,8 @@ _NO_HOST = (". A replayed graph runs without the host: it cannot hand device dat
 
 # Selections by a mask (x[mask], masked_select, nonzero, unique) are the usual cause, in losses and metrics.
 _DATA_SHAPED = ("; a graph replays fixed shapes: keep the full shape and mask instead (x[mask].mean() -> "
-                "(x * mask).sum() / mask.sum(), x[mask] = v -> torch.where(mask, v, x), an ignored label -> "
-                "cross_entropy's ignore_index), or move this out of the captured region.")
+                "torch.where(mask, x, 0).sum() / mask.sum(), x[mask] = v -> torch.where(mask, v, x), an ignored "
+                "label -> cross_entropy's ignore_index), or move this out of the captured region.")
 
 
 def _capture_error(what: str, why: str = _NO_HOST) -> GraphCaptureError:
