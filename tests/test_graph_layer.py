@@ -269,6 +269,14 @@ _ENCODER = nn.TransformerEncoder(nn.TransformerEncoderLayer(4, 2, 8, dropout=0.0
 _CAUSAL = nn.Transformer.generate_square_subsequent_mask(4)
 
 
+def _gaussian_nll(input, target, var, eps=1e-6):
+    # The advice of the refusal of nn.GaussianNLLLoss: its computation without the check
+    var = var.clone()
+    with torch.no_grad():
+        var.clamp_(min=eps)
+    return (0.5 * (torch.log(var) + (input - target) ** 2 / var)).mean()
+
+
 class _UserPosterior(torch.distributions.Distribution):
     """A distribution of the user's own that works through a Normal it makes (checking its arguments)."""
 
@@ -306,6 +314,8 @@ class _UserPosterior(torch.distributions.Distribution):
      r"npugraph_train\.optim\.clip_grad_norm_\.$"),
     (lambda: nn.utils.get_total_norm([_PARAM.grad], error_if_nonfinite=True),  # no clipping to replace it with
      r"_local_scalar_dense.*, in torch\.nn\.utils\.get_total_norm\(error_if_nonfinite=True\).*\(the default\)\.$"),
+    (lambda: nn.GaussianNLLLoss()(_SPD, _SPD, _SPD), r"_local_scalar_dense.*, in torch\.nn\.functional\."
+                                                     r"gaussian_nll_loss \(nn\.GaussianNLLLoss\), which checks"),
     (lambda: _ENCODER(_SPD[None], mask=_CAUSAL),
      r"_local_scalar_dense.*, in nn\.TransformerEncoder/.*mask is causal \(is_causal=None, the default\)"),
     (lambda: torch.distributions.OneHotCategorical(logits=_SPD, validate_args=False),  # its inner Categorical checks
@@ -358,7 +368,8 @@ def test_the_ex_variants_a_device_captures_are_accepted():
                lambda: torch.arange(4.0).new_zeros(4, device=_SPD.device).copy_(_SPD[0]),
                lambda: torch.isin(_LENGTHS, _LENGTHS[:2]),  # brute force below about 10 test elements
                lambda: torch.isin(_LENGTHS, torch.arange(40, device=_SPD.device), assume_unique=True),
-               lambda: nn.functional.one_hot(_LENGTHS, 5), lambda: _ENCODER(_SPD[None], mask=_CAUSAL, is_causal=True),
+               lambda: nn.functional.one_hot(_LENGTHS, 5), lambda: _gaussian_nll(_SPD, _SPD, _SPD),
+               lambda: _ENCODER(_SPD[None], mask=_CAUSAL, is_causal=True),
                lambda: torch.distributions.MultivariateNormal(  # the advice of the refusal above
                    _SPD[0], scale_tril=torch.linalg.cholesky_ex(_SPD).L, validate_args=False).log_prob(_SPD)):
         out, eager = _replayed(op)

@@ -142,6 +142,12 @@ def library_hint(places: Optional[Iterable[Place]] = None) -> str:
                       "torch.linalg.cholesky_ex in place of torch.linalg.cholesky")
             return (f", in torch.distributions.MultivariateNormal, which factorizes its {given} with "
                     f"torch.linalg.cholesky, whose error check reads on the host; pass scale_tril= instead ({recipe})")
+        elif path == _FUNCTIONAL and function == "gaussian_nll_loss" and isinstance(frame.f_locals.get("var"),
+                                                                                      torch.Tensor):
+            return (", in torch.nn.functional.gaussian_nll_loss (nn.GaussianNLLLoss), which checks a tensor var for "
+                    "negative entries on the host, with no setting to turn it off; compute the loss as it does, "
+                    "without the check: var = var.clone(), var.clamp_(min=eps) under torch.no_grad(), then "
+                    "0.5 * (torch.log(var) + (input - target) ** 2 / var) and the reduction")
         elif path == _CLIP_GRAD and frame.f_locals.get("error_if_nonfinite") is True:
             clip_function = function
     if clip_function is None:
@@ -163,6 +169,7 @@ _DISTRIBUTIONS = os.path.dirname(torch.distributions.__file__) + os.sep
 _DISTRIBUTION = torch.distributions.distribution.__file__
 _MULTIVARIATE_NORMAL = torch.distributions.multivariate_normal.__file__
 _CLIP_GRAD = torch.nn.utils.clip_grad.__file__
+_FUNCTIONAL = torch.nn.functional.__file__
 
 
 def warn_at_user_code(message: str, category: Type[Warning] = RuntimeWarning) -> None:
