@@ -236,17 +236,28 @@ def test_ops_whose_output_shape_a_device_knows_are_captured():
 
 
 def test_a_selection_by_mask_is_refused_with_its_fixed_shape_form():
-    x = torch.randn(6, 5)
+    x = torch.randn(2, 3, 4)
     with pytest.raises(GraphCaptureError, match=r"aten\.index\.Tensor has an output shape that depends on tensor "
-                                                r"data.*keep the full shape and mask instead \(x\[mask\]\.mean\(\) "
-                                                r"-> torch\.where\(mask, x, 0\)\.sum\(\) / mask\.sum\(\)"):
+                                                r"data.*keep the full shape and mask instead.*x\[mask\]\.mean\(\) -> "
+                                                r"torch\.where\(m, x, 0\)\.sum\(\) / m\.sum\(\)"):
         _replayed(lambda: x[x > 0].mean())
-    mask = x > 0
-    x[0, 0] = float("inf")  # masked out below: where() keeps it out of the sum, x * mask would not
-    mask[0, 0] = False
-    out, eager = _replayed(lambda: torch.where(mask, x, 0).sum() / mask.sum())  # the advice captures, as eager
-    assert torch.isfinite(out) and torch.allclose(out, x[mask].mean())
-    assert torch.equal(out, eager)
+    mask = torch.tensor([[True, False, True], [False, True, True]])  # per row, as padding is
+    x[0, 1] = float("inf")  # masked out: where() keeps it out of the sum, x * mask would not
+    m = mask[..., None].expand_as(x)
+    out, eager = _replayed(lambda: torch.where(m, x, 0).sum() / m.sum())  # the advice captures, as eager
+    assert torch.equal(out, eager) and torch.allclose(out, x[mask].mean())
+
+
+def test_counts_and_repeats_are_refused_with_their_fixed_shape_forms():
+    labels, reps = torch.tensor([1, 0, 3, 0]), torch.tensor([1, 2, 1, 1])
+    with pytest.raises(GraphCaptureError, match=r"bincount.*count into a fixed length instead: torch\.zeros\(K"):
+        _replayed(lambda: torch.bincount(labels, minlength=5))
+    out, eager = _replayed(lambda: torch.zeros(5, dtype=torch.long).index_add_(0, labels, torch.ones_like(labels)))
+    assert torch.equal(out, eager) and torch.equal(out, torch.bincount(labels, minlength=5))
+    with pytest.raises(GraphCaptureError, match=r"repeat_interleave.*; pass output_size="):
+        _replayed(lambda: labels.repeat_interleave(reps))
+    with pytest.raises(GraphCaptureError, match=r"_unique2.*it has no fixed-shape form.*F\.one_hot\(x, K\)\.amax"):
+        _replayed(lambda: torch.unique(labels))
 
 
 def test_masked_put_of_several_values_is_refused_one_value_is_masked_fill():

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import fnmatch
+import sys
 from collections import Counter
 from typing import Any, Callable, ContextManager, Dict, List, Optional, Tuple
 
@@ -168,7 +169,7 @@ class SubmoduleGrapher:
                 # The plugin's context (a dtype for "-true" precisions), then the autocast state of the calls.
                 with torch.enable_grad(), forward_context(), torch.autocast(
                         self.backend.device_type, enabled=autocast[0], dtype=autocast[1], cache_enabled=False), \
-                        calls_made_at(self._call_sites):
+                        calls_made_at(self._call_sites, boundary=sys._getframe()):
                     make_graphed_callables(
                         tuple(modules[name] for name in pending),
                         tuple(self._samples[name][0] for name in pending),

@@ -66,15 +66,15 @@ def user_source_line(places: Optional[Iterable[Place]] = None) -> str:
     """``file:line: code`` of the user's innermost frame among ``places`` (default: the caller's stack); inside
     :func:`calls_made_at`, the recorded call site of the module being run where no user frame comes first."""
     sites = getattr(_call_sites, "current", None)
-    running = None  # the innermost of the recorded modules whose code is on the stack
+    running = None  # the outermost of the recorded modules whose code is on the stack: the one being run again
     for frame, line in outward(sys._getframe(1)) if places is None else places:
         if sites is not None:
             if frame is sites[0]:
                 if running is not None:
                     return running
                 sites = None
-            elif running is None:
-                running = sites[1].get(id(frame.f_locals.get("self")))
+            else:
+                running = sites[1].get(id(frame.f_locals.get("self")), running)
         if not _is_library(frame):
             path = frame.f_code.co_filename
             return f"{path}:{line}: {linecache.getline(path, line).strip()}"
@@ -85,12 +85,12 @@ _call_sites = threading.local()
 
 
 @contextlib.contextmanager
-def calls_made_at(sites: Dict[int, str]) -> Iterator[None]:
-    """Modules run again outside the user's code (a callback capturing them after recording their calls):
-    errors inside the block name ``sites[id(module)]``, where the user called the module, instead of the
-    ``trainer.fit`` line that the stack holds."""
+def calls_made_at(sites: Dict[int, str], boundary: FrameType) -> Iterator[None]:
+    """Modules run again outside the user's code (a callback capturing them after recording their calls) from
+    the frame ``boundary``: errors inside the block that meet no user frame before it name
+    ``sites[id(module)]``, where the user called the module, instead of the ``trainer.fit`` line further out."""
     previous = getattr(_call_sites, "current", None)
-    _call_sites.current = (sys._getframe(2), sites)  # (the frame of the with statement: past it, the caller's)
+    _call_sites.current = (boundary, sites)
     try:
         yield
     finally:

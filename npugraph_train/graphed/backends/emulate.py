@@ -128,10 +128,29 @@ _NO_HOST = (". A replayed graph runs without the host: it cannot hand device dat
             "Python branch, a tensor made before capture).")
 
 
-# Selections by a mask (x[mask], masked_select, nonzero, unique) are the usual cause, in losses and metrics.
-_DATA_SHAPED = ("; a graph replays fixed shapes: keep the full shape and mask instead (x[mask].mean() -> "
-                "torch.where(mask, x, 0).sum() / mask.sum(), x[mask] = v -> torch.where(mask, v, x), an ignored "
-                "label -> cross_entropy's ignore_index), or move this out of the captured region.")
+# Fixed-shape forms of the ops a graph cannot replay, whose output shape depends on data (by op name).
+_FIXED_SHAPE_FORMS = {
+    "repeat_interleave": "; pass output_size= (the total of the repeats), which fixes the shape.",
+    "bincount": ("; count into a fixed length instead: torch.zeros(K, dtype=torch.long, device=x.device)"
+                 ".index_add_(0, x, torch.ones_like(x)) (minlength= does not fix it: the length is "
+                 "max(minlength, x.max() + 1)), or move this out of the captured region."),
+    "unique": ("; it has no fixed-shape form: compute it outside the captured region (which of K classes occur: "
+               "F.one_hot(x, K).amax(0))."),
+}
+# Selections by a mask (x[mask], masked_select, nonzero): the usual cause, in losses and metrics.
+_MASKED_FORMS = (
+    "; a graph replays fixed shapes: keep the full shape and mask instead, with the mask expanded to x's shape "
+    "(m = mask[..., None].expand_as(x) for a mask per row): x[mask].mean() -> torch.where(m, x, 0).sum() / m.sum(); "
+    "mask the inputs of a computation that is inf or NaN where masked out (its gradient there would be NaN): "
+    "torch.where(mask, p - y, 0) ** 2, not torch.where(mask, (p - y) ** 2, 0); x[mask] = y[mask] -> "
+    "torch.where(mask, y, x); class labels to leave out -> cross_entropy's ignore_index. Or move this out of "
+    "the captured region.")
+
+
+def _fixed_shape_form(func: Any) -> str:
+    name = func._schema.name.split("::")[-1]
+    return next((form for op, form in _FIXED_SHAPE_FORMS.items() if name.startswith(op) or name == "_" + op + "2"),
+                _MASKED_FORMS)
 
 
 def _capture_error(what: str, why: str = _NO_HOST) -> GraphCaptureError:
@@ -371,7 +390,7 @@ class _Recorder(TorchDispatchMode):
         if hidden:
             raise _capture_error(f"op {func} reads tensor data on the host on a device ({hidden})")
         if torch.Tag.dynamic_output_shape in func.tags and not _shape_given(func, args, kwargs):
-            raise _capture_error(f"op {func} has an output shape that depends on tensor data", _DATA_SHAPED)
+            raise _capture_error(f"op {func} has an output shape that depends on tensor data", _fixed_shape_form(func))
         if func in _INDEX_PUT_OPS and _mask_needs_indices(args, kwargs):
             raise _capture_error(f"op {func} with a boolean mask turns the mask into indices (nonzero) on the "
                                  "host; use torch.where(mask, values, x), or x.masked_fill_(mask, number)")
