@@ -32,7 +32,8 @@ from typing import Any, ContextManager, Dict, List, Optional, Union
 from .backends import CAPTURE_ERROR_MODES, Backend, get_backend
 from .backends.base import NO_UPDATE
 from .errors import GraphCaptureError, GraphStateError
-from .user_code import library_hint, raised_through, user_source_line
+from .host_read_hints import library_hint
+from .user_code import raised_through, user_source_line
 
 _EMPTY, _CAPTURING, _CAPTURED, _FAILED = "empty", "capturing", "captured", "failed"
 _capture_lock = threading.Lock()

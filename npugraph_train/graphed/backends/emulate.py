@@ -82,7 +82,8 @@ from torch.utils._pytree import tree_flatten, tree_map
 from ..errors import GraphCaptureError
 from ..handlers import DispatchRecord, apply_update, handler_for
 from ..state_attributes import storage_key, writes_in_place, written_tensors
-from ..user_code import library_hint, user_source_line
+from ..host_read_hints import library_hint
+from ..user_code import user_source_line
 from ..write_log import WriteLog
 from .base import Backend
 
