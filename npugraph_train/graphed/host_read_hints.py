@@ -20,8 +20,8 @@ from .user_code import Place, outward
 def library_hint(places: Optional[Iterable[Place]] = None) -> str:
     """Which torch code made a graph capture fail, where the user's line cannot show it (an argument check, a
     setting of a module), and how to avoid it; "" where none is known. ``places``: as for
-    :func:`.user_code.user_source_line`. Each hint holds only where that code reads on the host (a BatchNorm's cumulative
-    average in training), not wherever its frame is on the stack."""
+    :func:`.user_code.user_source_line`. Each hint holds only where that code reads on the host (a BatchNorm's
+    cumulative average in training), not wherever its frame is on the stack."""
     frames = [frame for frame, _ in (outward(sys._getframe(1)) if places is None else places)]
     clip_function = None  # the outermost of clip_grad.py's functions checking the norm: the one the user called
     for index, frame in enumerate(frames):
