@@ -258,6 +258,10 @@ def test_counts_and_repeats_are_refused_with_their_fixed_shape_forms():
         _replayed(lambda: labels.repeat_interleave(reps))
     with pytest.raises(GraphCaptureError, match=r"_unique2.*it has no fixed-shape form.*F\.one_hot\(x, K\)\.amax"):
         _replayed(lambda: torch.unique(labels))
+    log_probs, targets = torch.randn(6, 2, 5).log_softmax(2), torch.randint(1, 5, (2, 3))
+    with pytest.raises(GraphCaptureError, match=r"_ctc_loss\.Tensor.*ctc_loss reads tensor lengths on the host: keep "
+                                                r"the loss out of the captured region"):  # not a mask's advice
+        _replayed(lambda: nn.functional.ctc_loss(log_probs, targets, torch.full((2,), 6), torch.full((2,), 3)))
 
 
 def test_masked_put_of_several_values_is_refused_one_value_is_masked_fill():

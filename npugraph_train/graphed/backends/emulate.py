@@ -129,29 +129,34 @@ _NO_HOST = (". A replayed graph runs without the host: it cannot hand device dat
             "Python branch, a tensor made before capture).")
 
 
-# Fixed-shape forms of the ops a graph cannot replay, whose output shape depends on data (by op name).
-_FIXED_SHAPE_FORMS = {
-    "repeat_interleave": "; pass output_size= (the total of the repeats), which fixes the shape.",
-    "bincount": ("; count into a fixed length instead: torch.zeros(K, dtype=torch.long, device=x.device)"
-                 ".index_add_(0, x, torch.ones_like(x)) (minlength= does not fix it: the length is "
-                 "max(minlength, x.max() + 1)), or move this out of the captured region."),
-    "unique": ("; it has no fixed-shape form: compute it outside the captured region (which of K classes occur: "
-               "F.one_hot(x, K).amax(0))."),
-}
-# Selections by a mask (x[mask], masked_select, nonzero): the usual cause, in losses and metrics.
-_MASKED_FORMS = (
+# What to do instead of an op whose output shape depends on data, which a graph cannot replay (by op name).
+_MASKED_FORMS = (  # selections by a mask: the usual cause, in losses and metrics
     "; a graph replays fixed shapes: keep the full shape and mask instead, with the mask expanded to x's shape "
     "(m = mask[..., None].expand_as(x) for a mask per row): x[mask].mean() -> torch.where(m, x, 0).sum() / m.sum(); "
     "mask the inputs of a computation that is inf or NaN where masked out (its gradient there would be NaN): "
     "torch.where(mask, p - y, 0) ** 2, not torch.where(mask, (p - y) ** 2, 0); x[mask] = y[mask] -> "
     "torch.where(mask, y, x); class labels to leave out -> cross_entropy's ignore_index. Or move this out of "
     "the captured region.")
+_DATA_SHAPED_FORMS = {
+    "index": _MASKED_FORMS, "masked_select": _MASKED_FORMS, "nonzero": _MASKED_FORMS, "argwhere": _MASKED_FORMS,
+    "repeat_interleave": "; pass output_size= (the total of the repeats), which fixes the shape.",
+    "bincount": ("; count into a fixed length instead: torch.zeros(K, dtype=torch.long, device=x.device)"
+                 ".index_add_(0, x, torch.ones_like(x)) (minlength= does not fix it: the length is "
+                 "max(minlength, x.max() + 1)), or move this out of the captured region."),
+    "unique": ("; it has no fixed-shape form: compute it outside the captured region (which of K classes occur: "
+               "F.one_hot(x, K).amax(0))."),
+    "_ctc_loss": ("; ctc_loss reads tensor lengths on the host: keep the loss out of the captured region "
+                  "(mode='submodules' graphs the model without it). Lengths given as Python lists are baked into "
+                  "the graph, right only where they are the same on every step."),
+}
+_DATA_SHAPED = "; a graph replays fixed shapes: compute this outside the captured region."
 
 
 def _fixed_shape_form(func: Any) -> str:
     name = func._schema.name.split("::")[-1]
-    return next((form for op, form in _FIXED_SHAPE_FORMS.items() if name.startswith(op) or name == "_" + op + "2"),
-                _MASKED_FORMS)
+    if name.startswith(("unique", "_unique")):
+        name = "unique"
+    return _DATA_SHAPED_FORMS.get(name, _DATA_SHAPED)
 
 
 def _capture_error(what: str, why: str = _NO_HOST) -> GraphCaptureError:
