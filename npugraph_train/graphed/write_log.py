@@ -5,7 +5,7 @@ device capture runs nothing: both must leave the tensors that existed before as 
 """
 from __future__ import annotations
 
-from typing import Any, Dict, Iterable, Optional, Tuple
+from typing import Any, Dict, Iterable, List, Optional, Tuple
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
@@ -28,13 +28,20 @@ class WriteLog:
                 with _disable_current_modes():
                     self.saved[key] = (storage, storage.clone())
 
-    def undo(self, only: Optional[set] = None) -> None:
+    def undo(self, only: Optional[set] = None) -> List[Any]:
         """Put back what was written (only to the storages in ``only``, if given). A storage the region resized
-        (``resize_``, an ``out=`` tensor grown) keeps its new contents: its tensors' shapes changed with it."""
+        (``resize_``, an ``out=`` tensor grown) keeps its new contents, its tensors' shapes changed with it: those
+        are returned."""
+        resized = []
         with _disable_current_modes():
             for key, (storage, before) in self.saved.items():
-                if (only is None or key in only) and storage.nbytes() == before.nbytes():
+                if only is not None and key not in only:
+                    continue
+                if storage.nbytes() == before.nbytes():
                     storage.copy_(before)
+                else:
+                    resized.append(storage)
+        return resized
 
 
 class WarmupWrites(TorchDispatchMode):

@@ -539,12 +539,11 @@ class EmulatedGraph:
         self._modes = ()
         _local.capture_stream = _local.capturing = None
         with torch.no_grad(), _disable_current_modes():
-            for storage, saved in self._writes.saved.values():
-                if storage.nbytes() == saved.nbytes():
-                    storage.copy_(saved)
-                else:  # resized by an out= op: new memory from the pool on a device, unset until a replay
-                    storage.fill_(0xFF)
-                    self.captured_bytes += storage.nbytes()
+            # The rest is put back; a storage an out= op resized is new memory from the pool on a device, unset
+            # until a replay.
+            for storage in self._writes.undo():
+                storage.fill_(0xFF)
+                self.captured_bytes += storage.nbytes()
             # Storage-level writes: autograd's version counters must not see them (a backward
             # captured next may still check the saved activations).
             for op in self._ops:
