@@ -713,6 +713,70 @@ def test_settings_changed_between_steps_capture_again(where, name):
     assert _same(eager, graphed) and graphed.seen == eager.seen
 
 
+class FromHparams(Scheduled):
+    """Reads its loss weight from self.hparams (save_hyperparameters) in one of several ways."""
+
+    def __init__(self, read="attribute", beta=1.0, loss=None, seen=0):
+        super().__init__(optimizer="adamw")
+        self.save_hyperparameters()
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        beta = {"attribute": lambda: self.hparams.beta, "item": lambda: self.hparams["beta"],
+                "get": lambda: self.hparams.get("beta"), "nested": lambda: self.hparams.loss["beta"]}
+        return beta[self.hparams.read]() * nn.functional.mse_loss(self(x), y)
+
+
+class AnnealHparams(Callback):
+    def __init__(self, key):
+        self.key = key
+
+    def on_train_epoch_start(self, trainer, pl_module):
+        beta = 1.0 + 0.5 * trainer.current_epoch
+        if self.key == "loss":  # a new dict
+            pl_module.hparams.loss = {"beta": beta}
+        elif self.key == "loss.beta":
+            pl_module.hparams.loss["beta"] = beta
+        else:
+            pl_module.hparams.beta = beta
+
+
+@pytest.mark.parametrize("read, key", [("attribute", "beta"), ("item", "beta"), ("get", "beta"),
+                                       ("nested", "loss.beta"), ("nested", "loss")])
+def test_hparams_the_step_read_changed_between_steps_capture_again(read, key):
+    changed = "from {'beta': 1.0} to {'beta': 1.5}" if key == "loss" else "from 1.0 to 1.5"
+
+    def fit(callbacks):
+        torch.manual_seed(0)
+        model = FromHparams(read, loss={"beta": 1.0})
+        trainer([AnnealHparams(key), *callbacks], max_steps=30, val_check_interval=None,
+                limit_val_batches=0).fit(model, loaders()[0])
+        return model
+
+    eager = fit([])
+    callback = NPUGraphCallback(mode="whole_step")
+    with pytest.warns(UserWarning, match=rf"hparams\.{re.escape(key)} changed {re.escape(changed)} after the "
+                                         "training step was captured; it is captured again"):
+        graphed = fit([callback])
+    row = callback.report()[0]
+    assert row["captures"] == 4 and row["replays"] > 15, row
+    assert _same(eager, graphed)
+    assert type(graphed.hparams).__name__ == "AttributeDict" and "__class__" not in graphed.hparams
+
+
+def test_hparams_the_step_does_not_read_are_no_settings():
+    class Count(Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            pl_module.hparams.seen += 1
+
+    callback = NPUGraphCallback(mode="whole_step")
+    model = FromHparams()
+    trainer([Count(), callback], max_steps=20, val_check_interval=None, limit_val_batches=0).fit(
+        model, loaders()[0])
+    row = callback.report()[0]
+    assert model.hparams.seen == 20 and row["captures"] == 1 and row["replays"] >= 14, row
+
+
 def test_values_the_step_writes_are_no_settings_when_validation_rewrites_them():
     class Remembers(nn.Module):
         def __init__(self):

@@ -7,9 +7,9 @@ Python values it changes (``.host_state``) and schedulers it steps; host reads o
 and Python values in the step's outputs are warned about;
 before each replay, :class:`BakedSetup` finds what changed since capture (the optimizer and its state,
 param-group settings, train/eval flags, ``requires_grad``, parameter storage, settings of the modules and
-the LightningModule's attributes the step read, hooks of modules, parameters and the optimizer, and at each
-epoch's first batch parameters and buffers), so that the step is captured again instead of replaying a stale
-setup.
+the LightningModule's attributes and ``hparams`` entries the step read, hooks of modules, parameters and the
+optimizer, and at each epoch's first batch parameters and buffers), so that the step is captured again instead
+of replaying a stale setup.
 """
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ from torch.utils.hooks import RemovableHandle
 
 from ..graphed import GraphCaptureError
 from ..graphed.callables import GLOBAL_HOOK_KINDS, MODULE_HOOK_KINDS, ModuleSettings
-from ..graphed.state_attributes import carried_state_message
+from ..graphed.state_attributes import SCALAR_TYPES, carried_state_message
 from ..graphed.user_code import user_frame, user_source_line
 from .host_state import lightning_internals
 
@@ -100,18 +100,80 @@ def _recording_class(cls: type) -> type:
                                        "__qualname__": cls.__qualname__})
 
 
+_HPARAMS_PREFIX = "hparams."
+
+
+@functools.lru_cache(maxsize=None)
+def _recording_dict_class(cls: type) -> type:
+    """A subclass of ``cls`` (Lightning's AttributeDict) that notes the keys read: ``hp.beta`` and ``hp["beta"]``
+    go through ``__getitem__``, ``hp.get("beta")`` does not."""
+    def __getitem__(self: Any, key: Any) -> Any:
+        _note_key(self, key)
+        return cls.__getitem__(self, key)
+
+    def get(self: Any, key: Any, default: Any = None) -> Any:
+        _note_key(self, key)
+        return cls.get(self, key, default)
+
+    return type(cls.__name__, (cls,), {"__getitem__": __getitem__, "get": get, "__module__": cls.__module__,
+                                       "__qualname__": cls.__qualname__})
+
+
+def _note_key(hparams: Any, key: Any) -> None:
+    names = _READS_BY_MODULE.get(id(hparams))
+    if names is not None and isinstance(key, str):
+        names.add(_HPARAMS_PREFIX + key)
+
+
 @contextlib.contextmanager
 def recording_reads(module: torch.nn.Module) -> Iterator[Set[str]]:
-    """The names of ``module``'s attributes read inside (its class is swapped for a subclass that notes them)."""
+    """The names of ``module``'s attributes read inside (its class is swapped for a subclass that notes them),
+    and of its ``hparams`` entries read, as ``"hparams.<key>"`` (of an AttributeDict, made by
+    ``save_hyperparameters``)."""
     cls = type(module)
+    hparams = module.__dict__.get("_hparams")
+    # dict itself cannot change class; a DictConfig is no dict: neither is recorded.
+    hparams_cls = type(hparams) if isinstance(hparams, dict) and type(hparams) is not dict else None
     names: Set[str] = set()
     try:
         _READS_BY_MODULE[id(module)] = names
         module.__class__ = _recording_class(cls)
+        if hparams_cls is not None:
+            _READS_BY_MODULE[id(hparams)] = names
+            # (AttributeDict's __setattr__ would store an entry "__class__")
+            object.__setattr__(hparams, "__class__", _recording_dict_class(hparams_cls))
         yield names
     finally:
         module.__class__ = cls
         _READS_BY_MODULE.pop(id(module), None)
+        if hparams_cls is not None:
+            object.__setattr__(hparams, "__class__", hparams_cls)
+            _READS_BY_MODULE.pop(id(hparams), None)
+
+
+def hparams_slots(module: torch.nn.Module, keys: Collection[str]) -> List[Tuple[str, dict, str]]:
+    """(name, dict, key) of the number, flag and string values among ``module.hparams[key]`` for ``keys``, and
+    of those that are dicts (replaced: ``self.hparams.loss = {...}``) with every entry inside them (changed in
+    place: ``self.hparams.loss["beta"] = 0.5``; reads of a plain dict cannot be recorded)."""
+    hparams = module.__dict__.get("_hparams")
+    if not isinstance(hparams, dict):
+        return []
+    slots: List[Tuple[str, dict, str]] = []
+
+    def add(name: str, where: dict, key: Any, depth: int) -> None:
+        value = dict.get(where, key)
+        if type(value) in SCALAR_TYPES:
+            slots.append((name, where, key))
+        elif isinstance(value, dict) and depth < 3 and len(value) <= 100:
+            slots.append((name, where, key))
+            for inner in list(value):
+                if isinstance(inner, str):
+                    add(f"{name}.{inner}", value, inner, depth + 1)
+
+    for key in sorted(keys):
+        if key in hparams:
+            add(_HPARAMS_PREFIX + key, hparams, key, 0)
+    return slots
 
 
 _HOST_COUNTERS = ("global_step", "current_epoch")
@@ -359,7 +421,8 @@ class BakedSetup:
             # Metrics count their updates in Python (outside the step, where they belong).
             return (path != "" or name in watched_root) and (id(owner), name) not in written and not is_metric(owner)
 
-        self._module_settings = ModuleSettings(module, keep)
+        hparams_keys = [name[len(_HPARAMS_PREFIX):] for name in watched_root if name.startswith(_HPARAMS_PREFIX)]
+        self._module_settings = ModuleSettings(module, keep, lambda: hparams_slots(module, hparams_keys))
         self._setting_values = self._module_settings.read()
         groups = optimizer.param_groups
         self._lrs = [group["lr"] for group in groups]

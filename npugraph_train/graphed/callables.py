@@ -75,9 +75,11 @@ class ModuleSettings:
     momentum=None): every attribute holding a bool, int, float or str when the module is graphed."""
 
     def __init__(self, module: Optional[nn.Module],
-                 keep: Optional[Callable[[str, nn.Module, str], bool]] = None) -> None:
+                 keep: Optional[Callable[[str, nn.Module, str], bool]] = None,
+                 more: Optional[Callable[[], List[Tuple[str, dict, str]]]] = None) -> None:
         self.module = module
         self.keep = keep  # keep(module path, module, attribute): which to watch (None: all)
+        self.more = more  # (name, dict, key) of settings kept elsewhere (a LightningModule's hparams)
         self.find()
 
     def find(self) -> None:
@@ -86,6 +88,8 @@ class ModuleSettings:
                  for path, m in (self.module.named_modules() if self.module is not None else ())
                  for key, value in m.__dict__.items() if type(value) in SCALAR_TYPES and key not in MODULE_INTERNALS
                  and (self.keep is None or self.keep(path, m, key))]
+        if self.more is not None:
+            slots += self.more()
         self._names, self._dicts, self._keys = (list(z) for z in zip(*slots)) if slots else ([], [], [])
 
     def read(self) -> tuple:
