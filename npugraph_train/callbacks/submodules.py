@@ -217,7 +217,8 @@ class SubmoduleGrapher:
     def release(self) -> None:
         """Restore the original forwards; keep the final counters for :meth:`report`."""
         self.stop_recording()
-        self._samples, self._order = {}, []  # one step's module inputs, recorded for a capture that did not come
+        # One step's module inputs and call lines, recorded for a capture that did not come or failed.
+        self._samples, self._order, self._autocast, self._call_sites = {}, [], {}, {}
         for hook in self._count_hooks:
             hook.remove()
         self._count_hooks = []
