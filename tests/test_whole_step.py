@@ -932,8 +932,11 @@ class KeepsPythonState(Scheduled):
         self.kind = kind
         self.stats = types.SimpleNamespace(seen=0)
         self.counts = {"steps": 0}
+        self.save_hyperparameters({"steps": 0, "beta": 1.0})
 
     def training_step(self, batch, batch_idx):
+        if self.kind == "hparams":
+            self.hparams.steps += 1
         if self.kind == "object":
             self.stats.seen += 8
         elif self.kind == "dict":
@@ -955,10 +958,12 @@ class CountsOptimizerSteps(Callback):
 @pytest.mark.parametrize("kind, changed", [("object", r"stats.seen \(24 -> 32\)"),
                                            ("dict", r"counts \(\{'steps': 3\} -> \{'steps': 4\}\)"),
                                            ("param_group", r"optimizer.param_groups\[0\].steps \(3 -> 4\)"),
-                                           ("callback", r"CountsOptimizerSteps.steps \(3 -> 4\)")])
+                                           ("callback", r"CountsOptimizerSteps.steps \(3 -> 4\)"),
+                                           ("hparams", r"hparams\['steps'\] \(3 -> 4\), Counts")])
 def test_python_state_in_objects_dicts_param_groups_and_callbacks_is_refused(kind, changed):
     torch.manual_seed(0)
     model, counter = KeepsPythonState(kind), CountsOptimizerSteps()
+    hparams = model.hparams
     t = trainer([counter, NPUGraphCallback(mode="whole_step")], max_steps=6)
     with pytest.raises(ngt.GraphCaptureError, match=f"changes Python values: {changed}"):
         t.fit(model, *loaders())
@@ -966,6 +971,7 @@ def test_python_state_in_objects_dicts_param_groups_and_callbacks_is_refused(kin
     assert (model.stats.seen, model.counts["steps"]) == ((24, 0) if kind == "object" else (0, 3) if kind == "dict"
                                                          else (0, 0))
     assert counter.steps == 3 and t.optimizers[0].param_groups[0].get("steps") == (3 if kind == "param_group" else None)
+    assert model.hparams is hparams and model.hparams.steps == (3 if kind == "hparams" else 0), "refilled in place"
 
 
 class WritesBatchSize(Scheduled):

@@ -114,7 +114,9 @@ class HostState:
                 else:  # made since, put where a tensor was, or a plain object replaced (self.stats = Stats())
                     differs = is_host_value(now) or (now is not before and _is_plain_object(before))
                 if differs:
-                    changed.append(f"{attribute_path(holder.name, key)} ({_short(before)} -> {_short(now)})")
+                    # The LightningModule keeps save_hyperparameters' values in _hparams; the user reads self.hparams.
+                    name = attribute_path(holder.name, "hparams" if key == "_hparams" else key)
+                    changed += _changes(name, before, now)
         return changed
 
     def restore(self) -> None:
@@ -135,13 +137,26 @@ class HostState:
                     holder.values[key] = bound  # deleted, a host value put where a tensor was, an object replaced
 
 
+def _changes(name: str, before: Any, now: Any) -> List[str]:
+    """``name (before -> now)``; for a dict too long to show or shown on several lines (an AttributeDict's repr
+    is a table), one per entry that changed."""
+    whole = f"{name} ({_short(before)} -> {_short(now)})"
+    if (isinstance(before, dict) and isinstance(now, dict) and type(before) is type(now)
+            and ("\n" in whole or max(len(repr(before)), len(repr(now))) > 40)):
+        keys = [key for key in dict.fromkeys([*before, *now])
+                if key not in before or key not in now or scalar_changed(before[key], now[key])]
+        return [f"{name}[{key!r}] ({_short(before.get(key, _MISSING))} -> {_short(now.get(key, _MISSING))})"
+                for key in keys]
+    return [whole]
+
+
 def _refilled(current: Any, saved: Any) -> Any:
     """``current`` holding ``saved``'s values again: lists and dicts (also inside tuples) in place."""
     if type(current) is list and type(saved) is list:
         old = list(current)
         current[:] = [_refilled(old[i], s) if i < len(old) else copy.deepcopy(s) for i, s in enumerate(saved)]
         return current
-    if type(current) is dict and type(saved) is dict:
+    if isinstance(current, dict) and type(current) is type(saved):  # an AttributeDict too (self.hparams)
         old = dict(current)
         current.clear()
         current.update({k: _refilled(old[k], s) if k in old else copy.deepcopy(s) for k, s in saved.items()})
