@@ -140,13 +140,13 @@ class HostState:
 def _changes(name: str, before: Any, now: Any) -> List[str]:
     """``name (before -> now)``; for a dict too long to show or shown on several lines (an AttributeDict's repr
     is a table), one per entry that changed."""
-    whole = f"{name} ({_short(before)} -> {_short(now)})"
+    whole = f"{name} ({short_value(before)} -> {short_value(now)})"
     if (isinstance(before, dict) and isinstance(now, dict) and type(before) is type(now)
             and ("\n" in whole or max(len(repr(before)), len(repr(now))) > 40)):
         keys = [key for key in dict.fromkeys([*before, *now])
                 if key not in before or key not in now or scalar_changed(before[key], now[key])]
-        return [f"{name}[{key!r}] ({_short(before.get(key, _MISSING))} -> {_short(now.get(key, _MISSING))})"
-                for key in keys]
+        return [f"{name}[{key!r}] ({short_value(before.get(key, _MISSING))} -> "
+                f"{short_value(now.get(key, _MISSING))})" for key in keys]
     return [whole]
 
 
@@ -166,7 +166,8 @@ def _refilled(current: Any, saved: Any) -> Any:
     return copy.deepcopy(saved)
 
 
-def _short(value: Any) -> str:
+def short_value(value: Any) -> str:
+    """A host value as a message shows it: its repr if short, else its type (and length)."""
     if value is _MISSING:
         return "unset"
     if not is_host_value(value):

@@ -29,8 +29,9 @@ from torch.utils.hooks import RemovableHandle
 
 from ..graphed import GraphCaptureError
 from ..graphed.callables import GLOBAL_HOOK_KINDS, MODULE_HOOK_KINDS, ModuleSettings
-from ..graphed.state_attributes import SCALAR_TYPES, carried_state_message
+from ..graphed.state_attributes import adopted, carried_state_message
 from ..graphed.user_code import user_frame, user_source_line
+from .hparams import HparamsWatch
 from .host_state import lightning_internals
 
 
@@ -100,80 +101,18 @@ def _recording_class(cls: type) -> type:
                                        "__qualname__": cls.__qualname__})
 
 
-_HPARAMS_PREFIX = "hparams."
-
-
-@functools.lru_cache(maxsize=None)
-def _recording_dict_class(cls: type) -> type:
-    """A subclass of ``cls`` (Lightning's AttributeDict) that notes the keys read: ``hp.beta`` and ``hp["beta"]``
-    go through ``__getitem__``, ``hp.get("beta")`` does not."""
-    def __getitem__(self: Any, key: Any) -> Any:
-        _note_key(self, key)
-        return cls.__getitem__(self, key)
-
-    def get(self: Any, key: Any, default: Any = None) -> Any:
-        _note_key(self, key)
-        return cls.get(self, key, default)
-
-    return type(cls.__name__, (cls,), {"__getitem__": __getitem__, "get": get, "__module__": cls.__module__,
-                                       "__qualname__": cls.__qualname__})
-
-
-def _note_key(hparams: Any, key: Any) -> None:
-    names = _READS_BY_MODULE.get(id(hparams))
-    if names is not None and isinstance(key, str):
-        names.add(_HPARAMS_PREFIX + key)
-
-
 @contextlib.contextmanager
 def recording_reads(module: torch.nn.Module) -> Iterator[Set[str]]:
-    """The names of ``module``'s attributes read inside (its class is swapped for a subclass that notes them),
-    and of its ``hparams`` entries read, as ``"hparams.<key>"`` (of an AttributeDict, made by
-    ``save_hyperparameters``)."""
+    """The names of ``module``'s attributes read inside (its class is swapped for a subclass that notes them)."""
     cls = type(module)
-    hparams = module.__dict__.get("_hparams")
-    # dict itself cannot change class; a DictConfig is no dict: neither is recorded.
-    hparams_cls = type(hparams) if isinstance(hparams, dict) and type(hparams) is not dict else None
     names: Set[str] = set()
     try:
         _READS_BY_MODULE[id(module)] = names
         module.__class__ = _recording_class(cls)
-        if hparams_cls is not None:
-            _READS_BY_MODULE[id(hparams)] = names
-            # (AttributeDict's __setattr__ would store an entry "__class__")
-            object.__setattr__(hparams, "__class__", _recording_dict_class(hparams_cls))
         yield names
     finally:
         module.__class__ = cls
         _READS_BY_MODULE.pop(id(module), None)
-        if hparams_cls is not None:
-            object.__setattr__(hparams, "__class__", hparams_cls)
-            _READS_BY_MODULE.pop(id(hparams), None)
-
-
-def hparams_slots(module: torch.nn.Module, keys: Collection[str]) -> List[Tuple[str, dict, str]]:
-    """(name, dict, key) of the number, flag and string values among ``module.hparams[key]`` for ``keys``, and
-    of those that are dicts (replaced: ``self.hparams.loss = {...}``) with every entry inside them (changed in
-    place: ``self.hparams.loss["beta"] = 0.5``; reads of a plain dict cannot be recorded)."""
-    hparams = module.__dict__.get("_hparams")
-    if not isinstance(hparams, dict):
-        return []
-    slots: List[Tuple[str, dict, str]] = []
-
-    def add(name: str, where: dict, key: Any, depth: int) -> None:
-        value = dict.get(where, key)
-        if type(value) in SCALAR_TYPES:
-            slots.append((name, where, key))
-        elif isinstance(value, dict) and depth < 3 and len(value) <= 100:
-            slots.append((name, where, key))
-            for inner in list(value):
-                if isinstance(inner, str):
-                    add(f"{name}.{inner}", value, inner, depth + 1)
-
-    for key in sorted(keys):
-        if key in hparams:
-            add(_HPARAMS_PREFIX + key, hparams, key, 0)
-    return slots
 
 
 _HOST_COUNTERS = ("global_step", "current_epoch")
@@ -381,6 +320,8 @@ class BakedSetup:
         self._handles = -1  # RemovableHandle.next_id when the structure was last found unchanged
         self._module_settings: Optional[ModuleSettings] = None
         self._setting_values: tuple = ()
+        self._hparams: Optional[HparamsWatch] = None
+        self._hparams_values: tuple = ()
         # Attributes bound to tensors the step read (a buffer, a loss weight kept as a tensor): labels, the dicts
         # holding them, their keys, and the tensors bound at capture.
         self._bound: Tuple[list, list, list, list] = ([], [], [], [])
@@ -404,11 +345,13 @@ class BakedSetup:
 
     def remember(self, module: "pl.LightningModule", optimizer: torch.optim.Optimizer,
                  root_reads: Collection[str] = (), assigned: Collection[Tuple[Any, str]] = (),
-                 bindings: Sequence[Tuple[str, Dict[str, Any], str, torch.Tensor]] = ()) -> None:
+                 bindings: Sequence[Tuple[str, Dict[str, Any], str, torch.Tensor]] = (),
+                 hparams_read: Collection[str] = ()) -> None:
         """Note the setup as the graph just captured it. ``root_reads``: the LightningModule's own attributes the
         step read (of its submodules every setting counts); ``assigned``: the (module, attribute) pairs the step
         assigned, which are its outputs, not settings (self.n = x.shape[0], rewritten by eager forwards);
-        ``bindings``: the attributes bound to tensors the step read (``StateAttributes.read_bindings``)."""
+        ``bindings``: the attributes bound to tensors the step read (``StateAttributes.read_bindings``);
+        ``hparams_read``: the keys of ``module.hparams`` it read (:func:`.hparams.recording_hparams_reads`)."""
         self._bound = tuple(map(list, zip(*bindings))) if bindings else ([], [], [], [])
         # Gradients of frozen parameters that the captured optimizer step reads (zero_grad(set_to_none=False) kept
         # them) and no backward writes: eager steps stop updating such a parameter once its .grad is None.
@@ -421,9 +364,9 @@ class BakedSetup:
             # Metrics count their updates in Python (outside the step, where they belong).
             return (path != "" or name in watched_root) and (id(owner), name) not in written and not is_metric(owner)
 
-        hparams_keys = [name[len(_HPARAMS_PREFIX):] for name in watched_root if name.startswith(_HPARAMS_PREFIX)]
-        self._module_settings = ModuleSettings(module, keep, lambda: hparams_slots(module, hparams_keys))
-        self._setting_values = self._module_settings.read()
+        self._module_settings = ModuleSettings(module, keep)
+        self._hparams = HparamsWatch(module, hparams_read)
+        self._setting_values, self._hparams_values = self.read_settings()
         groups = optimizer.param_groups
         self._lrs = [group["lr"] for group in groups]
         self._settings = [{k: v for k, v in group.items() if k != "params"} for group in groups]
@@ -437,14 +380,18 @@ class BakedSetup:
         self._structure = _structure(module, optimizer)
         self._handles = RemovableHandle.next_id
 
-    def read_settings(self) -> tuple:
-        return self._module_settings.read() if self._module_settings is not None else ()
+    def read_settings(self) -> Tuple[tuple, tuple]:
+        """The module settings and the hparams values the graph baked in, as they are now."""
+        if self._module_settings is None or self._hparams is None:
+            return (), ()
+        return self._module_settings.read(), self._hparams.read()
 
-    def adopt_settings(self, before: tuple) -> None:
+    def adopt_settings(self, before: Tuple[tuple, tuple]) -> None:
         """Take over the settings an eager step changed (a value it writes, self.n = x.shape[0]): the step's own,
         not a change from outside it."""
-        if self._module_settings is not None:
-            self._setting_values = self._module_settings.adopt(self._setting_values, before, self.read_settings())
+        after = self.read_settings()
+        self._setting_values = adopted(self._setting_values, before[0], after[0])
+        self._hparams_values = adopted(self._hparams_values, before[1], after[1])
 
     def change(self, module: "pl.LightningModule", optimizer: torch.optim.Optimizer,
                batch_idx: int) -> Optional[Tuple[str, str]]:
@@ -480,11 +427,14 @@ class BakedSetup:
             label = next(label for label, d, k, t in zip(*self._bound) if d.get(k) is not t)
             return "bound tensor", (f"the tensor in {label} was replaced ({label} = ...; fill it in place, "
                                     f"{label}.copy_(...) or .fill_(...), to keep the graph)")
-        settings = self.read_settings()
+        settings, hparams = self.read_settings()
         if self._module_settings is not None and self._module_settings.differ(settings, self._setting_values):
             # A Dropout's p, a BatchNorm's momentum, a loss weight the step reads (self.beta): set by a callback
             # or a hook outside the step, and baked into the graph at its capture value.
             return "settings", self._module_settings.change(self._setting_values, settings)
+        changed = self._hparams.change(self._hparams_values, hparams) if self._hparams is not None else None
+        if changed is not None:
+            return "settings", changed
         handles = RemovableHandle.next_id
         if batch_idx == 0 or handles != self._handles:
             now = _structure(module, optimizer)

@@ -47,6 +47,7 @@ from .step_checks import (BakedSetup, WatchedIndex, host_random_error, is_metric
                           python_state_error, rebinding_error, recording_reads, refuse_scheduler_steps,
                           watch_host_counters)
 from .step_logs import StepLogRecorder
+from .hparams import recording_hparams_reads
 from .host_state import HostState
 from .step_setup import callbacks_inside_step, check_schedulers
 
@@ -220,7 +221,8 @@ class WholeStepGrapher:
             with watch_host_counters(self._warn_host_read), refuse_scheduler_steps(), graph(
                     self.graph, capture_error_mode=self.config.capture_error_mode,
                     auto_dispatch_capture=self.config.auto_dispatch_capture), attributes.reads, \
-                    recording_reads(module) as root_reads, recording_assignments() as assigned:
+                    recording_reads(module) as root_reads, recording_hparams_reads(module) as hparams_read, \
+                    recording_assignments() as assigned:
                 result = _AutomaticOptimization.run(loop, optimizer, batch_idx, static_kwargs)
         except GraphCaptureError as exc:
             failure = exc
@@ -301,7 +303,7 @@ class WholeStepGrapher:
         self.static_result = result
         self.static_grads = [(p, p.grad) for group in unwrap(optimizer).param_groups for p in group["params"]
                              if p.grad is not None]
-        self.baked.remember(module, unwrap(optimizer), root_reads, assigned, attributes.read_bindings())
+        self.baked.remember(module, unwrap(optimizer), root_reads, assigned, attributes.read_bindings(), hparams_read)
         self.captures.append({"description": describe(key), "reason": self.recapture_reason,
                               "first_replay": self.replays, "capture_seconds": self.capture_seconds,
                               "pool_bytes": self.pool_bytes})

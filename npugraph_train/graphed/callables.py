@@ -55,7 +55,8 @@ from .captured import (CapturedSignature, SignatureStats, batch_ids, capture_sig
 from .errors import GraphCaptureError, GraphStateError
 from .signatures import (Signature, describe_signature, difference_hint, flatten_call, is_constant, serves, signature,
                          static_copies, within)
-from .state_attributes import MODULE_INTERNALS, SCALAR_TYPES, attribute_path, recomputed_by_hooks, scalar_changed
+from .state_attributes import (MODULE_INTERNALS, SCALAR_TYPES, adopted, attribute_path, recomputed_by_hooks,
+                               scalar_changed)
 from .user_code import warn_at_user_code
 
 # A module's hook dicts; hooks inside a graphed module would run once, at capture.
@@ -75,11 +76,9 @@ class ModuleSettings:
     momentum=None): every attribute holding a bool, int, float or str when the module is graphed."""
 
     def __init__(self, module: Optional[nn.Module],
-                 keep: Optional[Callable[[str, nn.Module, str], bool]] = None,
-                 more: Optional[Callable[[], List[Tuple[str, dict, str]]]] = None) -> None:
+                 keep: Optional[Callable[[str, nn.Module, str], bool]] = None) -> None:
         self.module = module
         self.keep = keep  # keep(module path, module, attribute): which to watch (None: all)
-        self.more = more  # (name, dict, key) of settings kept elsewhere (a LightningModule's hparams)
         self.find()
 
     def find(self) -> None:
@@ -88,8 +87,6 @@ class ModuleSettings:
                  for path, m in (self.module.named_modules() if self.module is not None else ())
                  for key, value in m.__dict__.items() if type(value) in SCALAR_TYPES and key not in MODULE_INTERNALS
                  and (self.keep is None or self.keep(path, m, key))]
-        if self.more is not None:
-            slots += self.more()
         self._names, self._dicts, self._keys = (list(z) for z in zip(*slots)) if slots else ([], [], [])
 
     def read(self) -> tuple:
@@ -124,12 +121,6 @@ class ModuleSettings:
                 return f"{name} changed from {old!r} to {new!r}"
         return "submodule settings changed"
 
-    def adopt(self, baseline: tuple, before: tuple, after: tuple) -> tuple:
-        """``baseline`` with the settings that changed from ``before`` to ``after`` (a forward that writes a
-        scalar attribute, such as a length it saw) taken over: they are the forward's, not the user's."""
-        if not (len(baseline) == len(before) == len(after)):
-            return baseline
-        return tuple(a if scalar_changed(b, a) else kept for kept, b, a in zip(baseline, before, after))
 
 
 class GraphedCallable:
@@ -316,7 +307,7 @@ class GraphedCallable:
             isinstance(t, torch.Tensor) and t.requires_grad for t in flat))
         out = sig(flat, needs_grad)
         if sig.written_scalars:  # set by the replay as the forward would: not the user's settings
-            self.settings = self.module_settings.adopt(self.settings, settings, self.module_settings.read())
+            self.settings = adopted(self.settings, settings, self.module_settings.read())
         return out
 
     def update(self, cpu_update_input: Union[List[Dict[str, Any]], Dict[str, List[Dict[str, Any]]]]) -> None:
@@ -421,7 +412,7 @@ class GraphedCallable:
         self.eager_calls[reason] += 1
         before, bound = self.module_settings.read(), self._bound_now()
         out = self.call_original(*args, **kwargs)
-        self.settings = self.module_settings.adopt(self.settings, before, self.module_settings.read())
+        self.settings = adopted(self.settings, before, self.module_settings.read())
         # Tensors the forward rebinds are its own; one rebound before this call is still a change for the graphs.
         self._bound_seen = [now if now is not was else seen
                             for seen, was, now in zip(self._bound_seen, bound, self._bound_now())]

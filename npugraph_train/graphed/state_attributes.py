@@ -125,6 +125,8 @@ def scalar_changed(before: Any, now: Any) -> bool:
         return False
     if type(now) is not type(before):
         return True
+    if isinstance(now, torch.Tensor):  # another tensor (comparing values would read them on the host)
+        return True
     if isinstance(now, float):
         return now != before and not (now != now and before != before)
     if isinstance(now, (list, tuple)):
@@ -135,6 +137,14 @@ def scalar_changed(before: Any, now: Any) -> bool:
         return bool(now != before)
     except Exception:  # no bool from comparing them
         return True
+
+
+def adopted(baseline: tuple, before: tuple, after: tuple) -> tuple:
+    """``baseline`` with the values that changed from ``before`` to ``after`` taken over: those a call or step
+    wrote itself (``self.n = x.shape[0]``), which are its outputs, not the user's settings."""
+    if not (len(baseline) == len(before) == len(after)):
+        return baseline
+    return tuple(a if scalar_changed(b, a) else kept for kept, b, a in zip(baseline, before, after))
 
 
 # Ops that write arguments their schema does not mark as written (argument positions).

@@ -1,0 +1,154 @@
+"""The entries of ``self.hparams`` that a captured training step reads, watched between steps.
+
+``save_hyperparameters`` keeps a LightningModule's hyperparameters in an AttributeDict, which the step may read
+(``self.hparams.beta * kl``): a replay runs no Python, so the graph keeps the value read at capture. While the
+step is captured, :func:`recording_hparams_reads` notes the keys it reads; :class:`HparamsWatch` then compares
+their values before every replay, so that a change (a callback annealing ``hparams.beta``) captures the step
+again::
+
+    with recording_hparams_reads(module) as keys:
+        ... capture the step ...
+    watch = HparamsWatch(module, keys)
+    baseline = watch.read()
+    ...
+    why = watch.change(baseline, watch.read())   # "hparams.beta changed from 1.0 to 1.5"
+
+Values are compared as they were read: numbers, strings, flags and None by value, tensors by identity (one
+rebound is another graph input), lists, tuples and dicts entry by entry; other objects (a ``DictConfig``) are
+not watched, nor are hparams that are themselves a ``DictConfig`` (``save_hyperparameters(cfg)``).
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+from typing import Any, Collection, Dict, Iterator, Optional, Set, Tuple
+
+import torch
+
+from ..graphed.state_attributes import SCALAR_TYPES, scalar_changed
+from .host_state import short_value
+
+_READS: Dict[int, Set[str]] = {}  # id(hparams) -> the keys read, while recording
+_MISSING = object()
+_UNWATCHED = object()  # a value of a kind not compared (a config object)
+_LARGEST = 1000  # entries of a list or dict compared; larger ones are not watched
+_DEEPEST = 4
+
+
+def _note(hparams: Any, keys: Any) -> None:
+    names = _READS.get(id(hparams))
+    if names is not None:
+        names.update(key for key in keys if isinstance(key, str))
+
+
+@functools.lru_cache(maxsize=None)
+def _recording_class(cls: type) -> type:
+    """A subclass of ``cls`` (Lightning's AttributeDict) that notes the keys read. Reads of one key go through
+    ``__getitem__`` (``hp.beta``, ``hp["beta"]``), ``get``, ``setdefault`` and ``in``; iterating, ``items()``,
+    ``values()``, ``copy()``, ``dict(hp)``, ``**hp`` and pickling read them all (a dict subclass that defines
+    ``__iter__`` is copied and unpacked through ``keys()`` and ``__getitem__``, not at C speed)."""
+    def __getitem__(self: Any, key: Any) -> Any:
+        _note(self, (key,))
+        return cls.__getitem__(self, key)
+
+    def get(self: Any, key: Any, default: Any = None) -> Any:
+        _note(self, (key,))
+        return cls.get(self, key, default)
+
+    def setdefault(self: Any, key: Any, default: Any = None) -> Any:
+        _note(self, (key,))
+        return cls.setdefault(self, key, default)
+
+    def __contains__(self: Any, key: Any) -> bool:
+        _note(self, (key,))
+        return cls.__contains__(self, key)
+
+    def reading_all(method: Any) -> Any:
+        def read_all(self: Any, *args: Any) -> Any:
+            _note(self, cls.keys(self))
+            return method(self, *args)
+        return read_all
+
+    def __reduce_ex__(self: Any, protocol: Any) -> Any:
+        # Pickled (a deepcopy or a checkpoint inside the step) as the class that pickle finds by its name.
+        _note(self, cls.keys(self))
+        return cls, (dict(dict.items(self)),)
+
+    methods = {name: reading_all(getattr(cls, name)) for name in ("__iter__", "keys", "items", "values", "copy")}
+    return type(cls.__name__, (cls,), {
+        **methods, "__getitem__": __getitem__, "get": get, "setdefault": setdefault, "__contains__": __contains__,
+        "__reduce_ex__": __reduce_ex__, "__module__": cls.__module__, "__qualname__": cls.__qualname__})
+
+
+def _hparams(module: torch.nn.Module) -> Any:
+    return module.__dict__.get("_hparams")  # what the hparams property returns, without making one
+
+
+@contextlib.contextmanager
+def recording_hparams_reads(module: torch.nn.Module) -> Iterator[Set[str]]:
+    """The keys of ``module.hparams`` read inside: its class is swapped for a subclass that notes them (a plain
+    dict cannot change class, and a DictConfig is no dict: neither is recorded)."""
+    hparams = _hparams(module)
+    cls = type(hparams) if isinstance(hparams, dict) and type(hparams) is not dict else None
+    keys: Set[str] = set()
+    if cls is None:
+        yield keys
+        return
+    try:
+        _READS[id(hparams)] = keys
+        object.__setattr__(hparams, "__class__", _recording_class(cls))  # (AttributeDict's setattr sets a key)
+        yield keys
+    finally:
+        object.__setattr__(hparams, "__class__", cls)
+        _READS.pop(id(hparams), None)
+
+
+def _snapshot(value: Any, depth: int = 0) -> Any:
+    """``value`` as it is now, to compare later: containers copied (they change in place), tensors kept."""
+    if value is None or value is _MISSING or type(value) in SCALAR_TYPES or isinstance(value, torch.Tensor):
+        return value
+    if depth < _DEEPEST and isinstance(value, (list, tuple)) and len(value) <= _LARGEST:
+        return type(value)(_snapshot(v, depth + 1) for v in value) if type(value) in (list, tuple) else _UNWATCHED
+    if depth < _DEEPEST and isinstance(value, dict) and len(value) <= _LARGEST:
+        return {k: _snapshot(v, depth + 1) for k, v in dict.items(value)}
+    return _UNWATCHED
+
+
+def _first_change(name: str, before: Any, now: Any) -> Tuple[str, Any, Any]:
+    """The innermost entry of two dicts that differs (``hparams.loss.beta``), or the values themselves."""
+    if isinstance(before, dict) and isinstance(now, dict) and before.keys() == now.keys():
+        key = next(k for k in before if scalar_changed(before[k], now[k]))
+        return _first_change(f"{name}.{key}" if isinstance(key, str) else f"{name}[{key!r}]", before[key], now[key])
+    return name, before, now
+
+
+class HparamsWatch:
+    """The values of the ``hparams`` keys a captured step read, as :meth:`read` gives them; see the module
+    docstring."""
+
+    def __init__(self, module: torch.nn.Module, keys: Collection[str]) -> None:
+        self.module = module
+        self.keys = tuple(sorted(keys))
+
+    def read(self) -> Tuple[Any, ...]:
+        if not self.keys:
+            return ()
+        hparams = _hparams(self.module)
+        if not isinstance(hparams, dict):  # replaced by another kind of object: nothing to compare
+            return (_UNWATCHED,) * len(self.keys)
+        return tuple(_snapshot(dict.get(hparams, key, _MISSING)) for key in self.keys)
+
+    def change(self, before: Tuple[Any, ...], now: Tuple[Any, ...]) -> Optional[str]:
+        """What changed from ``before`` to ``now``, in words, or None."""
+        for key, old, new in zip(self.keys, before, now):
+            if scalar_changed(old, new):
+                if old is _MISSING:
+                    return f"hparams.{key} was set to {short_value(new)}"
+                if new is _MISSING:
+                    return f"hparams.{key} was deleted"
+                name, old, new = _first_change(f"hparams.{key}", old, new)
+                if isinstance(old, torch.Tensor) and isinstance(new, torch.Tensor):
+                    return (f"the tensor in {name} was replaced ({name} = ...; fill it in place, {name}.copy_(...) "
+                            "or .fill_(...), to keep the graph)")
+                return f"{name} changed from {short_value(old)} to {short_value(new)}"
+        return None
