@@ -7,9 +7,9 @@ Python values it changes (``.host_state``) and schedulers it steps; host reads o
 and Python values in the step's outputs are warned about;
 before each replay, :class:`BakedSetup` finds what changed since capture (the optimizer and its state,
 param-group settings, train/eval flags, ``requires_grad``, parameter storage, settings of the modules and
-the LightningModule's attributes and ``hparams`` entries the step read, hooks of modules, parameters and the
-optimizer, and at each epoch's first batch parameters and buffers), so that the step is captured again instead
-of replaying a stale setup.
+the LightningModule's attributes and ``hparams`` entries (:mod:`.hparams`) the step read, hooks of modules,
+parameters and the optimizer, and at each epoch's first batch parameters and buffers), so that the step is
+captured again instead of replaying a stale setup.
 """
 from __future__ import annotations
 
