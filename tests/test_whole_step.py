@@ -785,6 +785,47 @@ def test_hparams_the_step_read_changed_between_steps_capture_again(read, change,
     assert type(graphed.hparams).__name__ == "AttributeDict" and "__class__" not in graphed.hparams
 
 
+class OptionalParts(Scheduled):
+    """Reads attributes that start as None: a loss weight and a teacher, both set by a callback mid-fit."""
+
+    def __init__(self):
+        super().__init__(optimizer="adamw")
+        self.weight, self.teacher = None, None
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = nn.functional.mse_loss(self(x), y) * (1.0 if self.weight is None else self.weight)
+        if self.teacher is not None:
+            loss = loss + nn.functional.mse_loss(self(x), self.teacher(x).detach())
+        return loss
+
+
+class SetsOptionalPart(Callback):
+    def __init__(self, name):
+        self.name = name
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if trainer.global_step == 13:  # mid-epoch: not where parameters and modules are looked at anyway
+            torch.manual_seed(1)
+            setattr(pl_module, self.name, 1.5 if self.name == "weight" else nn.Linear(4, 1))
+
+
+@pytest.mark.parametrize("name, shown", [("weight", "1.5"), ("teacher", "Linear")])
+def test_attributes_the_step_read_while_none_capture_again_when_set(name, shown):
+    def fit(callbacks):
+        torch.manual_seed(0)
+        model = OptionalParts()
+        trainer([SetsOptionalPart(name), *callbacks], max_steps=24, val_check_interval=None,
+                limit_val_batches=0).fit(model, loaders()[0])
+        return model
+
+    eager = fit([])
+    callback = NPUGraphCallback(mode="whole_step")
+    with pytest.warns(UserWarning, match=f"{name} changed from None to {shown} after the training step was captured"):
+        graphed = fit([callback])
+    assert _same(eager, graphed) and callback.report()[0]["captures"] == 2
+
+
 def test_hparams_the_step_does_not_read_are_no_settings():
     class Count(Callback):
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):

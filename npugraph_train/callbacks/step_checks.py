@@ -32,7 +32,7 @@ from ..graphed.callables import GLOBAL_HOOK_KINDS, MODULE_HOOK_KINDS, ModuleSett
 from ..graphed.state_attributes import adopted, carried_state_message
 from ..graphed.user_code import user_frame, user_source_line
 from .hparams import HparamsWatch
-from .host_state import lightning_internals
+from .host_state import lightning_internals, short_value
 
 
 def is_metric(value: Any) -> bool:
@@ -321,6 +321,7 @@ class BakedSetup:
         self._module_settings: Optional[ModuleSettings] = None
         self._setting_values: tuple = ()
         self._hparams: Optional[HparamsWatch] = None
+        self._none_read: List[str] = []
         self._hparams_values: tuple = ()
         # Attributes bound to tensors the step read (a buffer, a loss weight kept as a tensor): labels, the dicts
         # holding them, their keys, and the tensors bound at capture.
@@ -365,6 +366,10 @@ class BakedSetup:
             return (path != "" or name in watched_root) and (id(owner), name) not in written and not is_metric(owner)
 
         self._module_settings = ModuleSettings(module, keep)
+        # Attributes the step read while None (an optional loss weight, a teacher set up later): the branch that
+        # `is None` took is baked in.
+        self._none_read = sorted(name for name in watched_root if name in vars(module) and vars(module)[name] is None
+                                 and (id(module), name) not in written)
         self._hparams = HparamsWatch(module, hparams_read)
         self._setting_values, self._hparams_values = self.read_settings()
         groups = optimizer.param_groups
@@ -435,6 +440,10 @@ class BakedSetup:
         changed = self._hparams.change(self._hparams_values, hparams) if self._hparams is not None else None
         if changed is not None:
             return "settings", changed
+        # (getattr: a module or parameter assigned goes to _modules or _parameters, not to __dict__)
+        set_since = next((name for name in self._none_read if getattr(module, name, None) is not None), None)
+        if set_since is not None:
+            return "settings", f"{set_since} changed from None to {short_value(getattr(module, set_since))}"
         handles = RemovableHandle.next_id
         if batch_idx == 0 or handles != self._handles:
             now = _structure(module, optimizer)
