@@ -758,8 +758,8 @@ class AnnealHparams(Callback):
     ("items", "beta", "hparams.beta changed from 1.0 to 1.5"),
     ("copy", "beta", "hparams.beta changed from 1.0 to 1.5"),
     ("pickled", "beta", "hparams.beta changed from 1.0 to 1.5"),
-    ("missing", "gamma", "hparams.gamma was set to 1.5"),
-    ("default", "deleted", "hparams.beta was deleted"),
+    ("missing", "gamma", "hparams.gamma changed from unset to 1.5"),
+    ("default", "deleted", "hparams.beta changed from 1.0 to unset"),
     ("nested", "loss.beta", "hparams.loss.beta changed from 1.0 to 1.5"),
     ("nested", "loss", "hparams.loss.beta changed from 1.0 to 1.5"),
     ("list", "weights", "hparams.weights changed from [1.0] to [1.5]"),
@@ -785,43 +785,58 @@ def test_hparams_the_step_read_changed_between_steps_capture_again(read, change,
     assert type(graphed.hparams).__name__ == "AttributeDict" and "__class__" not in graphed.hparams
 
 
-class OptionalParts(Scheduled):
-    """Reads attributes that start as None: a loss weight and a teacher, both set by a callback mid-fit."""
+class ReadsAttributes(Scheduled):
+    """Reads attributes other than numbers and tensors: None (a weight and a teacher set later), a loss module,
+    a loss function, a list of weights."""
 
     def __init__(self):
         super().__init__(optimizer="adamw")
-        self.weight, self.teacher = None, None
+        self.weight, self.teacher, self.loss_fn = None, None, nn.MSELoss()
+        self.criterion, self.weights = nn.functional.mse_loss, [1.0]
 
     def training_step(self, batch, batch_idx):
         x, y = batch
-        loss = nn.functional.mse_loss(self(x), y) * (1.0 if self.weight is None else self.weight)
+        out = self(x)
+        loss = self.loss_fn(out, y) * (1.0 if self.weight is None else self.weight) * self.weights[0]
+        loss = loss + self.criterion(out, y)
         if self.teacher is not None:
-            loss = loss + nn.functional.mse_loss(self(x), self.teacher(x).detach())
+            loss = loss + nn.functional.mse_loss(out, self.teacher(x).detach())
         return loss
 
 
-class SetsOptionalPart(Callback):
+_ATTRIBUTE_CHANGES = {
+    "weight": lambda m: setattr(m, "weight", 1.5), "teacher": lambda m: setattr(m, "teacher", nn.Linear(4, 1)),
+    "loss_fn": lambda m: setattr(m, "loss_fn", nn.L1Loss()),
+    "criterion": lambda m: setattr(m, "criterion", nn.functional.l1_loss),
+    "weights": lambda m: m.weights.__setitem__(0, 2.0)}
+
+
+class ChangesAttribute(Callback):
     def __init__(self, name):
         self.name = name
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         if trainer.global_step == 13:  # mid-epoch: not where parameters and modules are looked at anyway
             torch.manual_seed(1)
-            setattr(pl_module, self.name, 1.5 if self.name == "weight" else nn.Linear(4, 1))
+            _ATTRIBUTE_CHANGES[self.name](pl_module)
 
 
-@pytest.mark.parametrize("name, shown", [("weight", "1.5"), ("teacher", "Linear")])
-def test_attributes_the_step_read_while_none_capture_again_when_set(name, shown):
+@pytest.mark.parametrize("name, message", [("weight", "weight changed from None to 1.5"),
+                                           ("teacher", "teacher changed from None to Linear"),
+                                           ("loss_fn", "loss_fn changed from MSELoss to L1Loss"),
+                                           ("criterion", "criterion changed from mse_loss to l1_loss"),
+                                           ("weights", r"weights changed from \[1.0\] to \[2.0\]")])
+def test_attributes_the_step_read_capture_again_when_replaced_or_set(name, message):
     def fit(callbacks):
         torch.manual_seed(0)
-        model = OptionalParts()
-        trainer([SetsOptionalPart(name), *callbacks], max_steps=24, val_check_interval=None,
+        model = ReadsAttributes()
+        trainer([ChangesAttribute(name), *callbacks], max_steps=24, val_check_interval=None,
                 limit_val_batches=0).fit(model, loaders()[0])
         return model
 
     eager = fit([])
     callback = NPUGraphCallback(mode="whole_step")
-    with pytest.warns(UserWarning, match=f"{name} changed from None to {shown} after the training step was captured"):
+    with pytest.warns(UserWarning, match=f"{message} after the training step was captured"):
         graphed = fit([callback])
     assert _same(eager, graphed) and callback.report()[0]["captures"] == 2
 

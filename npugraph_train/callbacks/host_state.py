@@ -19,7 +19,7 @@ from __future__ import annotations
 import copy
 import functools
 import weakref
-from typing import Any, Dict, Iterable, List, NamedTuple, Tuple
+from typing import Any, Dict, Iterable, List, NamedTuple, Optional, Tuple
 
 import lightning.pytorch as pl
 import torch
@@ -28,13 +28,14 @@ from ..graphed.host_random import HostRandom
 from ..graphed.state_attributes import MODULE_INTERNALS, SCALAR_TYPES, attribute_path, scalar_changed, tensors_in
 
 _NOT_STATE = MODULE_INTERNALS | {"training"}
-_MISSING = object()
+UNSET = object()  # a key or attribute not set
 # Objects of these packages keep their own bookkeeping (a DictConfig's nodes, an optimizer's flags, a Logger's
 # cache): not user state.
 _LIBRARIES = ("torch", "lightning", "npugraph_train", "omegaconf", "logging")
 # Data a module may hold (file lists, vocabularies): not step state, and costly to copy at every capture.
 _DATA = (torch.utils.data.Dataset, torch.utils.data.DataLoader, pl.LightningDataModule)
 _LARGEST = 1000  # containers with more entries when the capture starts are not watched (a step's state starts small)
+_COMPARED = 100  # entries of a list, tuple or dict that a captured step read compared before each replay
 
 
 @functools.lru_cache(maxsize=None)
@@ -107,10 +108,10 @@ class HostState:
             for key in dict.fromkeys([*holder.copies, *holder.values]):
                 if key in holder.skip:
                     continue
-                before = holder.copies.get(key, holder.bound.get(key, _MISSING))
-                now = holder.values.get(key, _MISSING)
+                before = holder.copies.get(key, holder.bound.get(key, UNSET))
+                now = holder.values.get(key, UNSET)
                 if key in holder.copies:
-                    differs = now is _MISSING or (not tensors_in(now) and scalar_changed(before, now))
+                    differs = now is UNSET or (not tensors_in(now) and scalar_changed(before, now))
                 else:  # made since, put where a tensor was, or a plain object replaced (self.stats = Stats())
                     differs = is_host_value(now) or (now is not before and _is_plain_object(before))
                 if differs:
@@ -132,7 +133,7 @@ class HostState:
                     continue
                 if key in holder.copies:
                     holder.values[key] = _refilled(bound, holder.copies[key])
-                elif holder.values.get(key, _MISSING) is not bound and (
+                elif holder.values.get(key, UNSET) is not bound and (
                         key not in holder.values or is_host_value(holder.values[key]) or _is_plain_object(bound)):
                     holder.values[key] = bound  # deleted, a host value put where a tensor was, an object replaced
 
@@ -145,8 +146,8 @@ def _changes(name: str, before: Any, now: Any) -> List[str]:
             and ("\n" in whole or max(len(repr(before)), len(repr(now))) > 40)):
         keys = [key for key in dict.fromkeys([*before, *now])
                 if key not in before or key not in now or scalar_changed(before[key], now[key])]
-        return [f"{name}[{key!r}] ({short_value(before.get(key, _MISSING))} -> "
-                f"{short_value(now.get(key, _MISSING))})" for key in keys]
+        return [f"{name}[{key!r}] ({short_value(before.get(key, UNSET))} -> "
+                f"{short_value(now.get(key, UNSET))})" for key in keys]
     return [whole]
 
 
@@ -166,9 +167,37 @@ def _refilled(current: Any, saved: Any) -> Any:
     return copy.deepcopy(saved)
 
 
+def snapshot(value: Any, depth: int = 0) -> Any:
+    """A value that a captured step read, kept to compare before each replay (:func:`value_change`): lists, tuples
+    and dicts of up to 100 entries copied, as they change in place; anything else itself (numbers and strings
+    compare by value, tensors by identity, modules and other objects as their ``==`` does, by identity unless
+    defined)."""
+    if depth < 4 and type(value) in (list, tuple) and len(value) <= _COMPARED:
+        return type(value)(snapshot(v, depth + 1) for v in value)
+    if depth < 4 and isinstance(value, dict) and len(value) <= _COMPARED:
+        return {k: snapshot(v, depth + 1) for k, v in dict.items(value)}
+    return value
+
+
+def value_change(name: str, before: Any, now: Any) -> Optional[str]:
+    """How a value the step read changed between two :func:`snapshot` s, in words, or None: ``hparams.loss.beta
+    changed from 1.0 to 1.5`` (the innermost entry of a dict), ``teacher changed from None to Linear``."""
+    if not scalar_changed(before, now):
+        return None
+    while isinstance(before, dict) and isinstance(now, dict) and before.keys() == now.keys():
+        key = next(k for k in before if scalar_changed(before[k], now[k]))
+        name, before, now = f"{name}.{key}" if isinstance(key, str) else f"{name}[{key!r}]", before[key], now[key]
+    if isinstance(before, torch.Tensor) and isinstance(now, torch.Tensor):
+        return (f"the tensor in {name} was replaced ({name} = ...; fill it in place, {name}.copy_(...) or "
+                ".fill_(...), to keep the graph)")
+    # (a function or class by its name: criterion changed from mse_loss to l1_loss)
+    old, new = (getattr(v, "__qualname__", None) or short_value(v) for v in (before, now))
+    return f"{name} was replaced by another {new}" if old == new else f"{name} changed from {old} to {new}"
+
+
 def short_value(value: Any) -> str:
     """A host value as a message shows it: its repr if short, else its type (and length)."""
-    if value is _MISSING:
+    if value is UNSET:
         return "unset"
     if not is_host_value(value):
         return type(value).__name__  # a tensor that a host value replaced, a container grown past watching

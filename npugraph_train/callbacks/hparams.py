@@ -13,9 +13,10 @@ again::
     ...
     why = watch.change(baseline, watch.read())   # "hparams.beta changed from 1.0 to 1.5"
 
-Values are compared as they were read: numbers, strings, flags and None by value, tensors by identity (one
-rebound is another graph input), lists, tuples and dicts entry by entry; other objects (a ``DictConfig``) are
-not watched, nor are hparams that are themselves a ``DictConfig`` (``save_hyperparameters(cfg)``).
+Values are compared as :func:`.host_state.snapshot` keeps them: numbers, strings, flags and None by value,
+tensors by identity (one rebound is another graph input), lists, tuples and dicts entry by entry, other objects
+(a ``DictConfig``) by their ``==`` (changes inside them are not seen). Hparams that are themselves a
+``DictConfig`` (``save_hyperparameters(cfg)``) are not recorded.
 """
 from __future__ import annotations
 
@@ -25,14 +26,9 @@ from typing import Any, Collection, Dict, Iterator, Optional, Set, Tuple
 
 import torch
 
-from ..graphed.state_attributes import SCALAR_TYPES, scalar_changed
-from .host_state import short_value
+from .host_state import UNSET, snapshot, value_change
 
 _READS: Dict[int, Set[str]] = {}  # id(hparams) -> the keys read, while recording
-_MISSING = object()
-_UNWATCHED = object()  # a value of a kind not compared (a config object)
-_LARGEST = 1000  # entries of a list or dict compared; larger ones are not watched
-_DEEPEST = 4
 
 
 def _note(hparams: Any, keys: Any) -> None:
@@ -103,25 +99,6 @@ def recording_hparams_reads(module: torch.nn.Module) -> Iterator[Set[str]]:
         _READS.pop(id(hparams), None)
 
 
-def _snapshot(value: Any, depth: int = 0) -> Any:
-    """``value`` as it is now, to compare later: containers copied (they change in place), tensors kept."""
-    if value is None or value is _MISSING or type(value) in SCALAR_TYPES or isinstance(value, torch.Tensor):
-        return value
-    if depth < _DEEPEST and isinstance(value, (list, tuple)) and len(value) <= _LARGEST:
-        return type(value)(_snapshot(v, depth + 1) for v in value) if type(value) in (list, tuple) else _UNWATCHED
-    if depth < _DEEPEST and isinstance(value, dict) and len(value) <= _LARGEST:
-        return {k: _snapshot(v, depth + 1) for k, v in dict.items(value)}
-    return _UNWATCHED
-
-
-def _first_change(name: str, before: Any, now: Any) -> Tuple[str, Any, Any]:
-    """The innermost entry of two dicts that differs (``hparams.loss.beta``), or the values themselves."""
-    if isinstance(before, dict) and isinstance(now, dict) and before.keys() == now.keys():
-        key = next(k for k in before if scalar_changed(before[k], now[k]))
-        return _first_change(f"{name}.{key}" if isinstance(key, str) else f"{name}[{key!r}]", before[key], now[key])
-    return name, before, now
-
-
 class HparamsWatch:
     """The values of the ``hparams`` keys a captured step read, as :meth:`read` gives them; see the module
     docstring."""
@@ -135,20 +112,10 @@ class HparamsWatch:
             return ()
         hparams = _hparams(self.module)
         if not isinstance(hparams, dict):  # replaced by another kind of object: nothing to compare
-            return (_UNWATCHED,) * len(self.keys)
-        return tuple(_snapshot(dict.get(hparams, key, _MISSING)) for key in self.keys)
+            return (hparams,) * len(self.keys)
+        return tuple(snapshot(dict.get(hparams, key, UNSET)) for key in self.keys)
 
     def change(self, before: Tuple[Any, ...], now: Tuple[Any, ...]) -> Optional[str]:
         """What changed from ``before`` to ``now``, in words, or None."""
-        for key, old, new in zip(self.keys, before, now):
-            if scalar_changed(old, new):
-                if old is _MISSING:
-                    return f"hparams.{key} was set to {short_value(new)}"
-                if new is _MISSING:
-                    return f"hparams.{key} was deleted"
-                name, old, new = _first_change(f"hparams.{key}", old, new)
-                if isinstance(old, torch.Tensor) and isinstance(new, torch.Tensor):
-                    return (f"the tensor in {name} was replaced ({name} = ...; fill it in place, {name}.copy_(...) "
-                            "or .fill_(...), to keep the graph)")
-                return f"{name} changed from {short_value(old)} to {short_value(new)}"
-        return None
+        return next(filter(None, (value_change(f"hparams.{key}", old, new)
+                                  for key, old, new in zip(self.keys, before, now))), None)

@@ -29,10 +29,10 @@ from torch.utils.hooks import RemovableHandle
 
 from ..graphed import GraphCaptureError
 from ..graphed.callables import GLOBAL_HOOK_KINDS, MODULE_HOOK_KINDS, ModuleSettings
-from ..graphed.state_attributes import adopted, carried_state_message
+from ..graphed.state_attributes import SCALAR_TYPES, adopted, carried_state_message
 from ..graphed.user_code import user_frame, user_source_line
 from .hparams import HparamsWatch
-from .host_state import lightning_internals, short_value
+from .host_state import UNSET, lightning_internals, snapshot, value_change
 
 
 def is_metric(value: Any) -> bool:
@@ -321,7 +321,8 @@ class BakedSetup:
         self._module_settings: Optional[ModuleSettings] = None
         self._setting_values: tuple = ()
         self._hparams: Optional[HparamsWatch] = None
-        self._none_read: List[str] = []
+        self._objects_read: List[str] = []
+        self._object_values: tuple = ()
         self._hparams_values: tuple = ()
         # Attributes bound to tensors the step read (a buffer, a loss weight kept as a tensor): labels, the dicts
         # holding them, their keys, and the tensors bound at capture.
@@ -366,12 +367,14 @@ class BakedSetup:
             return (path != "" or name in watched_root) and (id(owner), name) not in written and not is_metric(owner)
 
         self._module_settings = ModuleSettings(module, keep)
-        # Attributes the step read while None (an optional loss weight, a teacher set up later): the branch that
-        # `is None` took is baked in.
-        self._none_read = sorted(name for name in watched_root if name in vars(module) and vars(module)[name] is None
-                                 and (id(module), name) not in written)
+        # Its other attributes the step read (None or a teacher module set later, a loss function replaced, a list
+        # of weights): which branch the step took, which modules it ran, are baked in. Tensors are bindings (below).
+        state = {**module._modules, **vars(module)}
+        self._objects_read = sorted(  # (_hparams, the dict behind self.hparams: watched by the keys read)
+            name for name in watched_root - {"_hparams"} if name in state and (id(module), name) not in written
+            and type(state[name]) not in SCALAR_TYPES and not isinstance(state[name], torch.Tensor))
         self._hparams = HparamsWatch(module, hparams_read)
-        self._setting_values, self._hparams_values = self.read_settings()
+        self._setting_values, self._hparams_values, self._object_values = self.read_settings(module)
         groups = optimizer.param_groups
         self._lrs = [group["lr"] for group in groups]
         self._settings = [{k: v for k, v in group.items() if k != "params"} for group in groups]
@@ -385,25 +388,29 @@ class BakedSetup:
         self._structure = _structure(module, optimizer)
         self._handles = RemovableHandle.next_id
 
-    def read_settings(self) -> Tuple[tuple, tuple]:
-        """The module settings and the hparams values the graph baked in, as they are now."""
+    def read_settings(self, module: torch.nn.Module) -> Tuple[tuple, tuple, tuple]:
+        """The module settings, hparams values and other attributes the graph baked in, as they are now."""
         if self._module_settings is None or self._hparams is None:
-            return (), ()
-        return self._module_settings.read(), self._hparams.read()
+            return (), (), ()
+        values, modules = vars(module), module._modules
+        objects = tuple(snapshot(values[name] if name in values else modules.get(name, UNSET))
+                        for name in self._objects_read)
+        return self._module_settings.read(), self._hparams.read(), objects
 
-    def adopt_settings(self, before: Tuple[tuple, tuple]) -> None:
+    def adopt_settings(self, module: torch.nn.Module, before: Tuple[tuple, tuple, tuple]) -> None:
         """Take over the settings an eager step changed (a value it writes, self.n = x.shape[0]): the step's own,
         not a change from outside it."""
-        after = self.read_settings()
+        after = self.read_settings(module)
         self._setting_values = adopted(self._setting_values, before[0], after[0])
         self._hparams_values = adopted(self._hparams_values, before[1], after[1])
+        self._object_values = adopted(self._object_values, before[2], after[2])
 
     def change(self, module: "pl.LightningModule", optimizer: torch.optim.Optimizer,
                batch_idx: int) -> Optional[Tuple[str, str]]:
         """(kind, description) of what changed since capture that the graph baked in, or None. The optimizer,
         param groups, train/eval flags, requires_grad, parameter storage, tensors bound to attributes the step
-        read, frozen parameters' kept gradients and module settings are checked every step (4 µs for 8
-        parameters, 18 µs per 100 more); hooks whenever one was registered (each takes a handle id);
+        read, frozen parameters' kept gradients, module settings, and the module's other attributes and hparams
+        entries the step read are checked every step (4 µs for 8 parameters, 18 µs per 100 more); hooks whenever one was registered (each takes a handle id);
         parameters, buffers and hooks at each epoch's first batch (where callbacks such as ModelPruning change
         them)."""
         if optimizer is not self._optimizer:
@@ -432,7 +439,7 @@ class BakedSetup:
             label = next(label for label, d, k, t in zip(*self._bound) if d.get(k) is not t)
             return "bound tensor", (f"the tensor in {label} was replaced ({label} = ...; fill it in place, "
                                     f"{label}.copy_(...) or .fill_(...), to keep the graph)")
-        settings, hparams = self.read_settings()
+        settings, hparams, objects = self.read_settings(module)
         if self._module_settings is not None and self._module_settings.differ(settings, self._setting_values):
             # A Dropout's p, a BatchNorm's momentum, a loss weight the step reads (self.beta): set by a callback
             # or a hook outside the step, and baked into the graph at its capture value.
@@ -440,10 +447,14 @@ class BakedSetup:
         changed = self._hparams.change(self._hparams_values, hparams) if self._hparams is not None else None
         if changed is not None:
             return "settings", changed
-        # (getattr: a module or parameter assigned goes to _modules or _parameters, not to __dict__)
-        set_since = next((name for name in self._none_read if getattr(module, name, None) is not None), None)
-        if set_since is not None:
-            return "settings", f"{set_since} changed from None to {short_value(getattr(module, set_since))}"
+        try:
+            same = objects == self._object_values  # C speed: identity first, then the objects' own ==
+        except Exception:  # an object whose == gives no bool (an array): look closer
+            same = False
+        if not same:
+            changed = next(filter(None, map(value_change, self._objects_read, self._object_values, objects)), None)
+            if changed is not None:
+                return "settings", changed
         handles = RemovableHandle.next_id
         if batch_idx == 0 or handles != self._handles:
             now = _structure(module, optimizer)

@@ -505,7 +505,8 @@ class _WholeStepOptimization(_AutomaticOptimization):
     def eager_step(self, optimizer: Any, batch_idx: int, kwargs: OrderedDict, reason: str,
                    kind: Optional[str] = None) -> Dict[str, Any]:
         self.grapher.count_eager(reason, kind)
-        settings = self.grapher.baked.read_settings()
+        module = self.trainer.lightning_module
+        settings = self.grapher.baked.read_settings(module)
         result = super().run(optimizer, batch_idx, kwargs)
-        self.grapher.baked.adopt_settings(settings)
+        self.grapher.baked.adopt_settings(module, settings)
         return result
