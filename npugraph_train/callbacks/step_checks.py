@@ -410,9 +410,9 @@ class BakedSetup:
         """(kind, description) of what changed since capture that the graph baked in, or None. The optimizer,
         param groups, train/eval flags, requires_grad, parameter storage, tensors bound to attributes the step
         read, frozen parameters' kept gradients, module settings, and the module's other attributes and hparams
-        entries the step read are checked every step (4 µs for 8 parameters, 18 µs per 100 more); hooks whenever one was registered (each takes a handle id);
-        parameters, buffers and hooks at each epoch's first batch (where callbacks such as ModelPruning change
-        them)."""
+        entries the step read are checked every step (4 µs for 8 parameters, 18 µs per 100 more); hooks whenever
+        one was registered (each takes a handle id); parameters, buffers and hooks at each epoch's first batch
+        (where callbacks such as ModelPruning change them)."""
         if optimizer is not self._optimizer:
             return "optimizer", "the optimizer was replaced (trainer.optimizers)"
         if optimizer.state is not self._state:
