@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import itertools
 import operator
 import sys
 import threading
@@ -302,6 +303,21 @@ def _changed_setting(before: List[Dict[str, Any]], sizes: List[int],
     return None
 
 
+def _unequal(a: tuple, b: tuple) -> bool:
+    """At C speed (identity first, then the values' own ``==``), whether two tuples of values may differ: NaN is
+    unequal to itself, and an object whose ``==`` gives no bool (an array) counts as unequal; look closer then."""
+    try:
+        return a != b
+    except Exception:
+        return True
+
+
+def _attribute(module: torch.nn.Module, name: str) -> Any:
+    """An attribute as the module holds it (a module or parameter assigned goes to _modules or _parameters)."""
+    values = vars(module)
+    return values[name] if name in values else getattr(module, name, UNSET)
+
+
 class BakedSetup:
     """What a captured step bakes in, remembered at capture and compared before each replay."""
 
@@ -322,6 +338,8 @@ class BakedSetup:
         self._setting_values: tuple = ()
         self._hparams: Optional[HparamsWatch] = None
         self._objects_read: List[str] = []
+        self._object_dicts: List[Dict[str, Any]] = []
+        self._containers: List[int] = []
         self._object_values: tuple = ()
         self._hparams_values: tuple = ()
         # Attributes bound to tensors the step read (a buffer, a loss weight kept as a tensor): labels, the dicts
@@ -369,10 +387,15 @@ class BakedSetup:
         self._module_settings = ModuleSettings(module, keep)
         # Its other attributes the step read (None or a teacher module set later, a loss function replaced, a list
         # of weights): which branch the step took, which modules it ran, are baked in. Tensors are bindings (below).
-        state = {**module._modules, **vars(module)}
+        values, state = vars(module), {**module._modules, **vars(module)}
         self._objects_read = sorted(  # (_hparams, the dict behind self.hparams: watched by the keys read)
             name for name in watched_root - {"_hparams"} if name in state and (id(module), name) not in written
             and type(state[name]) not in SCALAR_TYPES and not isinstance(state[name], torch.Tensor))
+        # Where each lives (a module assigned over None moves to _modules: it is then missing here, a change);
+        # which are containers, compared entry by entry (they change in place).
+        self._object_dicts = [values if name in values else module._modules for name in self._objects_read]
+        self._containers = [i for i, name in enumerate(self._objects_read)
+                            if isinstance(state[name], (list, tuple, dict))]
         self._hparams = HparamsWatch(module, hparams_read)
         self._setting_values, self._hparams_values, self._object_values = self.read_settings(module)
         groups = optimizer.param_groups
@@ -392,9 +415,9 @@ class BakedSetup:
         """The module settings, hparams values and other attributes the graph baked in, as they are now."""
         if self._module_settings is None or self._hparams is None:
             return (), (), ()
-        values, modules = vars(module), module._modules
-        objects = tuple(snapshot(values[name] if name in values else modules.get(name, UNSET))
-                        for name in self._objects_read)
+        objects = tuple(map(dict.get, self._object_dicts, self._objects_read, itertools.repeat(UNSET)))
+        if self._containers:
+            objects = tuple(snapshot(o) if i in self._containers else o for i, o in enumerate(objects))
         return self._module_settings.read(), self._hparams.read(), objects
 
     def adopt_settings(self, module: torch.nn.Module, before: Tuple[tuple, tuple, tuple]) -> None:
@@ -444,15 +467,13 @@ class BakedSetup:
             # A Dropout's p, a BatchNorm's momentum, a loss weight the step reads (self.beta): set by a callback
             # or a hook outside the step, and baked into the graph at its capture value.
             return "settings", self._module_settings.change(self._setting_values, settings)
-        changed = self._hparams.change(self._hparams_values, hparams) if self._hparams is not None else None
-        if changed is not None:
-            return "settings", changed
-        try:
-            same = objects == self._object_values  # C speed: identity first, then the objects' own ==
-        except Exception:  # an object whose == gives no bool (an array): look closer
-            same = False
-        if not same:
-            changed = next(filter(None, map(value_change, self._objects_read, self._object_values, objects)), None)
+        if self._hparams is not None and _unequal(hparams, self._hparams_values):
+            changed = self._hparams.change(self._hparams_values, hparams)
+            if changed is not None:
+                return "settings", changed
+        if _unequal(objects, self._object_values):
+            now = [snapshot(_attribute(module, name)) for name in self._objects_read]
+            changed = next(filter(None, map(value_change, self._objects_read, self._object_values, now)), None)
             if changed is not None:
                 return "settings", changed
         handles = RemovableHandle.next_id
