@@ -949,13 +949,23 @@ class TestUserPatterns:
 
     @pytest.mark.parametrize("change, message", [("freeze_bn", "1.track_running_stats changed from True to False"),
                                                  ("eval_bn", "1.training changed from True to False"),
-                                                 ("dropout_p", "3.p changed from 0.5 to 0.0")])
+                                                 ("dropout_p", "3.p changed from 0.5 to 0.0"),
+                                                 ("submodule", "2 changed from Activation to ReLU"),
+                                                 ("function", "2.fn changed from tanh to sigmoid")])
     def test_submodule_settings_changed_after_capture_capture_again(self, change, message):
         # BaseFinetuning.freeze(train_bn=False) stops BatchNorm statistics; a frozen backbone's BN in eval; a
-        # dropout schedule
+        # dropout schedule; an activation swapped, as a module or as the function a module calls
+        class Activation(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.fn = torch.tanh
+
+            def forward(self, x):
+                return self.fn(x)
+
         def train(graphed):
             torch.manual_seed(0)
-            model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), nn.Tanh(), nn.Dropout(0.5))
+            model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), Activation(), nn.Dropout(0.5))
             if graphed:
                 ng.make_graphed_callables(model, (torch.zeros(3, 4, requires_grad=True),))
             torch.manual_seed(1)
@@ -965,6 +975,10 @@ class TestUserPatterns:
                     model[1].track_running_stats = False
                 elif step == 2 and change == "eval_bn":
                     model[1].eval()
+                elif step == 2 and change == "submodule":
+                    model[2] = nn.ReLU()
+                elif step == 2 and change == "function":
+                    model[2].fn = torch.sigmoid
                 elif step == 2:
                     model[3].p = 0.0
                 model(torch.randn(3, 4, requires_grad=True)).sum().backward()

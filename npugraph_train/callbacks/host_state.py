@@ -191,7 +191,7 @@ def value_change(name: str, before: Any, now: Any) -> Optional[str]:
         return (f"the tensor in {name} was replaced ({name} = ...; fill it in place, {name}.copy_(...) or "
                 ".fill_(...), to keep the graph)")
     # (a function or class by its name: criterion changed from mse_loss to l1_loss)
-    old, new = (getattr(v, "__qualname__", None) or short_value(v) for v in (before, now))
+    old, new = (getattr(v, "__name__", None) or short_value(v) for v in (before, now))
     return f"{name} was replaced by another {new}" if old == new else f"{name} changed from {old} to {new}"
 
 

@@ -39,6 +39,7 @@ and safer than both:
 from __future__ import annotations
 
 import copy
+import functools
 import operator
 import types
 from collections import Counter
@@ -70,10 +71,24 @@ RECAPTURES_BEFORE_EAGER = 3
 _requires_grad = operator.attrgetter("requires_grad")
 
 
+# Functions a forward calls through an attribute (TransformerEncoderLayer.activation = F.relu): baked in as well.
+_FUNCTION_TYPES = (types.FunctionType, types.BuiltinFunctionType, functools.partial)
+
+
+def _is_setting(key: str, value: Any) -> bool:
+    # (an instance's own forward is the graphed one, or a wrapper's: not a setting)
+    return type(value) in SCALAR_TYPES or (type(value) in _FUNCTION_TYPES and key != "forward")
+
+
+def _shown(value: Any) -> str:
+    return repr(value) if type(value) in SCALAR_TYPES else getattr(value, "__name__", type(value).__name__)
+
+
 class ModuleSettings:
     """The Python settings of a module and its submodules that its graphs bake in: train/eval (dropout,
     BatchNorm), a Dropout's ``p``, how BatchNorms track statistics (finetuning callbacks freeze them; SWA sets
-    momentum=None): every attribute holding a bool, int, float or str when the module is graphed."""
+    momentum=None): every attribute holding a bool, int, float, str or function when the module is graphed, and
+    which module each submodule is (an activation swapped for another runs other kernels)."""
 
     def __init__(self, module: Optional[nn.Module],
                  keep: Optional[Callable[[str, nn.Module, str], bool]] = None) -> None:
@@ -83,10 +98,12 @@ class ModuleSettings:
 
     def find(self) -> None:
         """Look for the settings again (the first call of a forward may create some)."""
-        slots = [(attribute_path(path, key), m.__dict__, key)
-                 for path, m in (self.module.named_modules() if self.module is not None else ())
-                 for key, value in m.__dict__.items() if type(value) in SCALAR_TYPES and key not in MODULE_INTERNALS
+        modules = list(self.module.named_modules()) if self.module is not None else []
+        slots = [(attribute_path(path, key), m.__dict__, key) for path, m in modules
+                 for key, value in m.__dict__.items() if _is_setting(key, value) and key not in MODULE_INTERNALS
                  and (self.keep is None or self.keep(path, m, key))]
+        slots += [(attribute_path(path, key), m._modules, key) for path, m in modules for key in m._modules
+                  if self.keep is None or self.keep(path, m, key)]
         self._names, self._dicts, self._keys = (list(z) for z in zip(*slots)) if slots else ([], [], [])
 
     def read(self) -> tuple:
@@ -118,7 +135,7 @@ class ModuleSettings:
             return "submodule settings were deleted"
         for name, old, new in zip(self._names, before, now):
             if scalar_changed(old, new):
-                return f"{name} changed from {old!r} to {new!r}"
+                return f"{name} changed from {_shown(old)} to {_shown(new)}"
         return "submodule settings changed"
 
 
