@@ -1,4 +1,5 @@
 import copy
+import functools
 import io
 import random
 import sys
@@ -950,11 +951,10 @@ class TestUserPatterns:
     @pytest.mark.parametrize("change, message", [("freeze_bn", "1.track_running_stats changed from True to False"),
                                                  ("eval_bn", "1.training changed from True to False"),
                                                  ("dropout_p", "3.p changed from 0.5 to 0.0"),
-                                                 ("submodule", "2 changed from Activation to ReLU"),
                                                  ("function", "2.fn changed from tanh to sigmoid")])
     def test_submodule_settings_changed_after_capture_capture_again(self, change, message):
         # BaseFinetuning.freeze(train_bn=False) stops BatchNorm statistics; a frozen backbone's BN in eval; a
-        # dropout schedule; an activation swapped, as a module or as the function a module calls
+        # dropout schedule; an activation swapped, as the function a module calls
         class Activation(nn.Module):
             def __init__(self):
                 super().__init__()
@@ -975,8 +975,6 @@ class TestUserPatterns:
                     model[1].track_running_stats = False
                 elif step == 2 and change == "eval_bn":
                     model[1].eval()
-                elif step == 2 and change == "submodule":
-                    model[2] = nn.ReLU()
                 elif step == 2 and change == "function":
                     model[2].fn = torch.sigmoid
                 elif step == 2:
@@ -1359,7 +1357,7 @@ class TestModuleState:
         model = ng.make_graphed_callables(nn.Linear(4, 4), (torch.zeros(3, 4),))
         x = torch.randn(3, 4)
         new = {k: torch.randn_like(v, requires_grad=True) for k, v in model.named_parameters()}
-        with pytest.warns(RuntimeWarning, match="its parameters were replaced after capture"):
+        with pytest.warns(RuntimeWarning, match="its parameters or submodules were replaced after capture"):
             out = torch.func.functional_call(model, new, (x,))
         assert torch.equal(out, nn.functional.linear(x, new["weight"], new["bias"]))
         out.sum().backward()
@@ -1367,6 +1365,29 @@ class TestModuleState:
         model.load_state_dict({k: torch.ones_like(v) for k, v in model.state_dict().items()}, assign=True)
         assert torch.equal(model(x), nn.functional.linear(x, model.weight, model.bias))
         assert sum(ng.graphed_state(model).eager_calls.values()) == 2
+
+    @pytest.mark.parametrize("swap", ["activation", "layer"])
+    def test_replaced_submodules_run_eager(self, swap):
+        # An activation swapped, or a layer re-made as a new module: the graphs would run the old one's kernels, and
+        # (for a layer) leave the new parameters without gradients.
+        def train(graphed):
+            torch.manual_seed(0)
+            model = nn.Sequential(nn.Linear(4, 4), nn.GELU(), nn.Linear(4, 1))
+            if graphed:
+                ng.make_graphed_callables(model, (torch.zeros(3, 4, requires_grad=True),))
+            for step in range(4):
+                if step == 2:
+                    torch.manual_seed(1)
+                    model[1 if swap == "activation" else 2] = nn.ReLU() if swap == "activation" else nn.Linear(4, 1)
+                model(torch.randn(3, 4, requires_grad=True)).sum().backward()
+            return model
+
+        eager = train(False)
+        with pytest.warns(RuntimeWarning, match="ran eager: its parameters or submodules were replaced after capture"):
+            graphed = train(True)
+        _assert_same_state(eager, graphed)
+        assert all(p.grad is not None for p in graphed.parameters())
+        assert sum(ng.graphed_state(graphed).eager_calls.values()) == 2
 
     def test_storage_replaced_or_buffers_rebound_outside_the_forward_capture_again(self):
         class Scaled(nn.Module):
@@ -1809,7 +1830,43 @@ def test_graphs_dropped_on_every_call_give_way_to_eager():
     state = ng.graphed_state(graphed)
     assert state.stats[next(iter(state.stats))].captures == 3 and state.report()["replays"] == 2
     assert sum(state.report()["eager_calls"].values()) == 6
+    assert len(state.report()["eager_calls"]) == 1, "one reason, not one per call"
     assert all(torch.equal(a.grad, b.grad) for a, b in zip(eager.parameters(), graphed.parameters()))
+
+
+@pytest.mark.parametrize("kind", ["partial", "lambda", "module"])
+def test_functions_and_submodules_the_forward_makes_on_every_call_are_its_output(kind):
+    # Not settings and not state: the forward makes the same thing anew on each call, so the graphs stay.
+    class Attention(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+            self.make()
+
+        def make(self):
+            self.score = (functools.partial(torch.softmax, dim=-1) if kind == "partial" else
+                          (lambda t: torch.softmax(t, -1)) if kind == "lambda" else nn.Softmax(-1))
+
+        def forward(self, x):
+            self.make()
+            return self.score(self.lin(x))
+
+    torch.manual_seed(0)
+    eager = Attention()
+    graphed = ng.make_graphed_callables(copy.deepcopy(eager), (torch.randn(8, 4, requires_grad=True),))
+    for step in range(6):
+        x = torch.randn(8, 4, requires_grad=True)
+        for model in (eager, graphed):
+            if step == 3:  # an eager call between replays (validation) makes another one
+                with torch.no_grad():
+                    model.eval()
+                    model(x)
+                    model.train()
+            model(x).sum().backward()
+    report = ng.graphed_state(graphed).report()
+    assert report["replays"] == 6 and set(report["eager_calls"]) == {
+        "train/eval mode differs from capture (validation and test run eager by design)"}, report
+    _assert_same_state(eager, graphed)
 
 
 def test_a_call_under_another_autocast_state_says_so():

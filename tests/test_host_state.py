@@ -7,7 +7,9 @@ import pytest
 import torch
 import torch.nn as nn
 
-from npugraph_train.callbacks.host_state import HostState
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from npugraph_train.callbacks.host_state import HostState, snapshot, value_change
 from npugraph_train.callbacks.step_checks import refuse_scheduler_steps
 from npugraph_train.graphed import GraphCaptureError
 
@@ -119,3 +121,35 @@ def test_a_capture_inside_a_capture_keeps_refusing_after_it():
         with pytest.raises(GraphCaptureError):
             scheduler.step()
     scheduler.step()
+
+
+class _CountOps(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.ops = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append(func)
+        return func(*args, **(kwargs or {}))
+
+
+def test_snapshots_compare_tensors_and_modules_by_identity_without_reading_tensors():
+    t, other, lin = torch.tensor(0.5), torch.tensor(0.5), nn.Linear(2, 2)
+    before = snapshot({"w": t, "layers": [lin], "n": 3})
+    with _CountOps() as watch:
+        assert value_change("extra", before, snapshot({"w": t, "layers": [lin], "n": 3})) is None
+        rebound = value_change("extra", before, snapshot({"w": other, "layers": [lin], "n": 3}))
+    assert watch.ops == [], "a tensor's == would read its value on the host"
+    assert rebound.startswith("the tensor in extra.w was replaced")
+    assert value_change("extra", before, snapshot({"w": t, "layers": [nn.Linear(2, 2)], "n": 3})) == (
+        "extra.layers was replaced by another list (unequal to the one the step read)")
+
+
+def test_snapshots_copy_small_containers_and_keep_large_ones_by_identity():
+    small, large = [1.0] * 10, {i: [0.0] * 10 for i in range(20)}
+    kept = snapshot(small), snapshot(large)
+    small[0], large[0][0] = 2.0, 1.0  # changed in place
+    assert value_change("small", kept[0], snapshot(small)) == "small changed", "10 entries: copied, so compared"
+    assert value_change("large", kept[1], snapshot(large)) is None, "over 100 entries in all: compared by identity"
+    assert value_change("large", kept[1], snapshot(dict(large))) == (
+        "large was replaced by another dict of 20 (compared by identity: make it once)")

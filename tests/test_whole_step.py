@@ -808,7 +808,8 @@ _ATTRIBUTE_CHANGES = {
     "weight": lambda m: setattr(m, "weight", 1.5), "teacher": lambda m: setattr(m, "teacher", nn.Linear(4, 1)),
     "loss_fn": lambda m: setattr(m, "loss_fn", nn.L1Loss()),
     "criterion": lambda m: setattr(m, "criterion", nn.functional.l1_loss),
-    "weights": lambda m: m.weights.__setitem__(0, 2.0)}
+    "weights": lambda m: m.weights.__setitem__(0, 2.0),
+    "dropout": lambda m: setattr(m.blocks[0], "drop", nn.Dropout(0.0))}  # a submodule's submodule
 
 
 class ChangesAttribute(Callback):
@@ -825,7 +826,9 @@ class ChangesAttribute(Callback):
                                            ("teacher", "teacher changed from None to Linear"),
                                            ("loss_fn", "loss_fn changed from MSELoss to L1Loss"),
                                            ("criterion", "criterion changed from mse_loss to l1_loss"),
-                                           ("weights", r"weights changed from \[1.0\] to \[2.0\]")])
+                                           ("weights", r"weights changed from \[1.0\] to \[2.0\]"),
+                                           ("dropout", r"blocks.0.drop was replaced by another Dropout \(compared "
+                                                       "by identity: make it once\)")])
 def test_attributes_the_step_read_capture_again_when_replaced_or_set(name, message):
     def fit(callbacks):
         torch.manual_seed(0)

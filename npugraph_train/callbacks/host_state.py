@@ -167,15 +167,58 @@ def _refilled(current: Any, saved: Any) -> Any:
     return copy.deepcopy(saved)
 
 
-def snapshot(value: Any, depth: int = 0) -> Any:
+class _ByIdentity:
+    """A tensor or module in a snapshot: equal only to the same object. Their own ``==`` would read tensor values
+    on the host (a device sync every step) or, for torchmetrics' Metric, give a truthy metric."""
+
+    __slots__ = ("obj",)
+
+    def __init__(self, obj: Any) -> None:
+        self.obj = obj
+
+    def __eq__(self, other: object) -> bool:
+        return type(other) is _ByIdentity and other.obj is self.obj
+
+    __hash__ = None  # type: ignore[assignment]
+
+
+def snapshot(value: Any) -> Any:
     """A value that a captured step read, kept to compare before each replay (:func:`value_change`): lists, tuples
-    and dicts of up to 100 entries copied, as they change in place; anything else itself (numbers and strings
-    compare by value, tensors by identity, modules and other objects as their ``==`` does, by identity unless
-    defined)."""
-    if depth < 4 and type(value) in (list, tuple) and len(value) <= _COMPARED:
-        return type(value)(snapshot(v, depth + 1) for v in value)
-    if depth < 4 and isinstance(value, dict) and len(value) <= _COMPARED:
-        return {k: snapshot(v, depth + 1) for k, v in dict.items(value)}
+    and dicts copied, as they change in place (up to 100 entries in all, 4 levels deep; larger ones compare by
+    identity), tensors and modules by identity, anything else itself (numbers and strings compare by value,
+    other objects as their ``==`` does, by identity unless they define it)."""
+    if type(value) in _PLAIN:
+        return value
+    return _copied(value) if _entries(value, 0) <= _COMPARED else _ByIdentity(value)
+
+
+_PLAIN = frozenset((bool, int, float, str, type(None)))
+
+
+def _entries(value: Any, depth: int) -> int:
+    """The entries of the lists, tuples and dicts in ``value``, counted until there are over 100 (or too deep)."""
+    if not (type(value) in (list, tuple) or isinstance(value, dict)):
+        return 0
+    if depth >= 4:
+        return _COMPARED + 1
+    count = len(value)
+    for v in (dict.values(value) if isinstance(value, dict) else value):
+        if count > _COMPARED:
+            break
+        if type(v) not in _PLAIN:
+            count += _entries(v, depth + 1)
+    return count
+
+
+def _copied(value: Any) -> Any:
+    if type(value) in _PLAIN:
+        return value
+    if isinstance(value, (torch.Tensor, torch.nn.Module)):
+        return _ByIdentity(value)
+    if isinstance(value, dict):
+        return {k: _copied(v) for k, v in dict.items(value)}
+    if type(value) in (list, tuple):
+        return type(value)(map(_copied, value))
     return value
 
 
@@ -187,12 +230,20 @@ def value_change(name: str, before: Any, now: Any) -> Optional[str]:
     while isinstance(before, dict) and isinstance(now, dict) and before.keys() == now.keys():
         key = next(k for k in before if scalar_changed(before[k], now[k]))
         name, before, now = f"{name}.{key}" if isinstance(key, str) else f"{name}[{key!r}]", before[key], now[key]
+    identity = type(now) is _ByIdentity
+    before, now = (v.obj if type(v) is _ByIdentity else v for v in (before, now))
     if isinstance(before, torch.Tensor) and isinstance(now, torch.Tensor):
         return (f"the tensor in {name} was replaced ({name} = ...; fill it in place, {name}.copy_(...) or "
                 ".fill_(...), to keep the graph)")
     # (a function or class by its name: criterion changed from mse_loss to l1_loss)
     old, new = (getattr(v, "__name__", None) or short_value(v) for v in (before, now))
-    return f"{name} was replaced by another {new}" if old == new else f"{name} changed from {old} to {new}"
+    if old != new:
+        return f"{name} changed from {old} to {new}"
+    if identity or type(now).__eq__ is object.__eq__:
+        return f"{name} was replaced by another {new} (compared by identity: make it once)"
+    if is_host_value(now):  # too long to show
+        return f"{name} changed"
+    return f"{name} was replaced by another {new} (unequal to the one the step read)"
 
 
 def short_value(value: Any) -> str:

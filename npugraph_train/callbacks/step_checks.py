@@ -19,7 +19,8 @@ import itertools
 import operator
 import sys
 import threading
-from typing import Any, Callable, Collection, ContextManager, Dict, Iterator, List, Optional, Sequence, Set, Tuple
+from typing import (Any, Callable, Collection, ContextManager, Dict, Iterable, Iterator, List, Optional, Sequence, Set,
+                    Tuple)
 
 import lightning.pytorch as pl
 import torch
@@ -29,7 +30,8 @@ from torch.optim.lr_scheduler import LRScheduler, ReduceLROnPlateau
 from torch.utils.hooks import RemovableHandle
 
 from ..graphed import GraphCaptureError
-from ..graphed.callables import GLOBAL_HOOK_KINDS, MODULE_HOOK_KINDS, ModuleSettings
+from ..graphed.callables import (GLOBAL_HOOK_KINDS, MODULE_HOOK_KINDS, ModuleSettings, changed_words, slots_hold,
+                                 submodule_slots)
 from ..graphed.state_attributes import SCALAR_TYPES, adopted, carried_state_message
 from ..graphed.user_code import user_frame, user_source_line
 from .hparams import HparamsWatch
@@ -337,6 +339,7 @@ class BakedSetup:
         self._module_settings: Optional[ModuleSettings] = None
         self._setting_values: tuple = ()
         self._hparams: Optional[HparamsWatch] = None
+        self._children: Tuple[list, ...] = ([], [], [], [])
         self._objects_read: List[str] = []
         self._object_dicts: List[Dict[str, Any]] = []
         self._containers: List[int] = []
@@ -385,6 +388,8 @@ class BakedSetup:
             return (path != "" or name in watched_root) and (id(owner), name) not in written and not is_metric(owner)
 
         self._module_settings = ModuleSettings(module, keep)
+        # Which module each submodule is (an activation swapped mid-epoch): the graph runs the old one's kernels.
+        self._children = tuple(map(list, zip(*submodule_slots(module, written)))) or ([], [], [], [])
         # Its other attributes the step read (None or a teacher module set later, a loss function replaced, a list
         # of weights): which branch the step took, which modules it ran, are baked in. Tensors are bindings (below).
         values, state = vars(module), {**module._modules, **vars(module)}
@@ -415,10 +420,14 @@ class BakedSetup:
         """The module settings, hparams values and other attributes the graph baked in, as they are now."""
         if self._module_settings is None or self._hparams is None:
             return (), (), ()
-        objects = tuple(map(dict.get, self._object_dicts, self._objects_read, itertools.repeat(UNSET)))
-        if self._containers:
-            objects = tuple(snapshot(o) if i in self._containers else o for i, o in enumerate(objects))
+        objects = self._copied(map(dict.get, self._object_dicts, self._objects_read, itertools.repeat(UNSET)))
         return self._module_settings.read(), self._hparams.read(), objects
+
+    def _copied(self, objects: Iterable[Any]) -> tuple:
+        """The attributes as read, with the containers among them copied (they change in place)."""
+        if not self._containers:
+            return tuple(objects)
+        return tuple(snapshot(o) if i in self._containers else o for i, o in enumerate(objects))
 
     def adopt_settings(self, module: torch.nn.Module, before: Tuple[tuple, tuple, tuple]) -> None:
         """Take over the settings an eager step changed (a value it writes, self.n = x.shape[0]): the step's own,
@@ -462,6 +471,10 @@ class BakedSetup:
             label = next(label for label, d, k, t in zip(*self._bound) if d.get(k) is not t)
             return "bound tensor", (f"the tensor in {label} was replaced ({label} = ...; fill it in place, "
                                     f"{label}.copy_(...) or .fill_(...), to keep the graph)")
+        labels, dicts, names, children = self._children
+        if not slots_hold(dicts, names, children):
+            label, old, new = next((label, c, d.get(n)) for label, d, n, c in zip(*self._children) if d.get(n) is not c)
+            return "submodule", changed_words(label, old, new)
         settings, hparams, objects = self.read_settings(module)
         if self._module_settings is not None and self._module_settings.differ(settings, self._setting_values):
             # A Dropout's p, a BatchNorm's momentum, a loss weight the step reads (self.beta): set by a callback
@@ -472,7 +485,7 @@ class BakedSetup:
             if changed is not None:
                 return "settings", changed
         if _unequal(objects, self._object_values):
-            now = [snapshot(_attribute(module, name)) for name in self._objects_read]
+            now = self._copied(_attribute(module, name) for name in self._objects_read)
             changed = next(filter(None, map(value_change, self._objects_read, self._object_values, now)), None)
             if changed is not None:
                 return "settings", changed

@@ -39,11 +39,10 @@ and safer than both:
 from __future__ import annotations
 
 import copy
-import functools
 import operator
 import types
 from collections import Counter
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Collection, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.nn as nn
@@ -56,8 +55,8 @@ from .captured import (CapturedSignature, SignatureStats, batch_ids, capture_sig
 from .errors import GraphCaptureError, GraphStateError
 from .signatures import (Signature, describe_signature, difference_hint, flatten_call, is_constant, serves, signature,
                          static_copies, within)
-from .state_attributes import (MODULE_INTERNALS, SCALAR_TYPES, adopted, attribute_path, recomputed_by_hooks,
-                               scalar_changed)
+from .state_attributes import (MODULE_INTERNALS, SCALAR_TYPES, adopted, attribute_path, is_setting,
+                               recomputed_by_hooks, scalar_changed)
 from .user_code import warn_at_user_code
 
 # A module's hook dicts; hooks inside a graphed module would run once, at capture.
@@ -71,24 +70,17 @@ RECAPTURES_BEFORE_EAGER = 3
 _requires_grad = operator.attrgetter("requires_grad")
 
 
-# Functions a forward calls through an attribute (TransformerEncoderLayer.activation = F.relu): baked in as well.
-_FUNCTION_TYPES = (types.FunctionType, types.BuiltinFunctionType, functools.partial)
-
-
-def _is_setting(key: str, value: Any) -> bool:
-    # (an instance's own forward is the graphed one, or a wrapper's: not a setting)
-    return type(value) in SCALAR_TYPES or (type(value) in _FUNCTION_TYPES and key != "forward")
-
-
 def _shown(value: Any) -> str:
-    return repr(value) if type(value) in SCALAR_TYPES else getattr(value, "__name__", type(value).__name__)
+    if value is None or type(value) in SCALAR_TYPES:
+        return repr(value)
+    return getattr(value, "__name__", type(value).__name__)
 
 
 class ModuleSettings:
     """The Python settings of a module and its submodules that its graphs bake in: train/eval (dropout,
     BatchNorm), a Dropout's ``p``, how BatchNorms track statistics (finetuning callbacks freeze them; SWA sets
-    momentum=None): every attribute holding a bool, int, float, str or function when the module is graphed, and
-    which module each submodule is (an activation swapped for another runs other kernels)."""
+    momentum=None): every attribute holding a bool, int, float, str or function (an activation) when the module
+    is graphed."""
 
     def __init__(self, module: Optional[nn.Module],
                  keep: Optional[Callable[[str, nn.Module, str], bool]] = None) -> None:
@@ -100,10 +92,8 @@ class ModuleSettings:
         """Look for the settings again (the first call of a forward may create some)."""
         modules = list(self.module.named_modules()) if self.module is not None else []
         slots = [(attribute_path(path, key), m.__dict__, key) for path, m in modules
-                 for key, value in m.__dict__.items() if _is_setting(key, value) and key not in MODULE_INTERNALS
+                 for key, value in m.__dict__.items() if is_setting(key, value) and key not in MODULE_INTERNALS
                  and (self.keep is None or self.keep(path, m, key))]
-        slots += [(attribute_path(path, key), m._modules, key) for path, m in modules for key in m._modules
-                  if self.keep is None or self.keep(path, m, key)]
         self._names, self._dicts, self._keys = (list(z) for z in zip(*slots)) if slots else ([], [], [])
 
     def read(self) -> tuple:
@@ -130,13 +120,40 @@ class ModuleSettings:
             return True
         return unequal and (len(a) != len(b) or any(map(scalar_changed, a, b)))
 
+    def counting(self, before: tuple, now: tuple) -> bool:
+        """Whether a number, flag or string changed: state carried in Python (a call counter). A function the
+        forward makes on every call (``functools.partial(F.softmax, dim=-1)``) is its output, not state."""
+        return len(before) != len(now) or any(scalar_changed(old, new) and type(new) in SCALAR_TYPES
+                                              for old, new in zip(before, now))
+
     def change(self, before: tuple, now: tuple) -> str:
         if len(before) != len(now):
             return "submodule settings were deleted"
         for name, old, new in zip(self._names, before, now):
             if scalar_changed(old, new):
-                return f"{name} changed from {_shown(old)} to {_shown(new)}"
+                return changed_words(name, old, new)
         return "submodule settings changed"
+
+
+def changed_words(name: str, old: Any, new: Any) -> str:
+    """``name changed from old to new``, with functions and modules by their names."""
+    old_shown, new_shown = _shown(old), _shown(new)
+    if old_shown == new_shown:  # functions and modules compare by identity: a new one, made alike
+        return f"{name} was replaced by another {new_shown} (compared by identity: make it once)"
+    return f"{name} changed from {old_shown} to {new_shown}"
+
+
+def submodule_slots(module: nn.Module, leave_out: Collection[Tuple[int, str]] = ()) -> List[Tuple[str, dict, str, Any]]:
+    """(label, dict, name, submodule) of every submodule slot in ``module``'s tree but those ``(id(owner), name)``
+    in ``leave_out``: a submodule replaced after capture (an activation swapped, a layer re-made) leaves graphs
+    running the old one."""
+    return [(attribute_path(path, name), m._modules, name, child) for path, m in module.named_modules()
+            for name, child in m._modules.items() if (id(m), name) not in leave_out]
+
+
+def slots_hold(dicts: Sequence[Dict[str, Any]], names: Sequence[str], objects: Sequence[Any]) -> bool:
+    """Whether each ``dicts[i][names[i]]`` is still ``objects[i]`` (at C speed)."""
+    return all(map(operator.is_, map(dict.get, dicts, names), objects))
 
 
 
@@ -213,13 +230,22 @@ class GraphedCallable:
         return tuple(map(_requires_grad, self.params))
 
     def params_in_place(self) -> bool:
-        return all(map(operator.is_, map(dict.get, self._param_dicts, self._param_names), self._param_objects))
+        """Whether the parameters and submodules are those the graphs were captured with."""
+        return slots_hold(self._slot_dicts, self._slot_names, self._slot_objects)
 
     def note_memory(self) -> None:
         """Take the parameters' storage, the buffers in their slots and the plain tensor attributes the captured
         forwards read (``self.scale = torch.tensor(0.5)``) as the graphs' (after a capture). Attributes the
         forward only writes are left out: a replay binds them to its own tensors."""
         self._param_ptrs = list(map(torch.Tensor.data_ptr, self._param_objects))
+        # ... and each submodule: one replaced brings code and parameters the graphs never saw. Not those the
+        # forward itself assigns (self.act = nn.Softmax(-1) on every call): its output, which a replay leaves.
+        assigned = {slot for sig in self.signatures.values() for slot in sig.assigned}
+        children = submodule_slots(self.func, assigned) if self.is_module else []
+        _, child_dicts, child_names, child_objects = (list(z) for z in zip(*children)) if children else ([],) * 4
+        self._slot_dicts = self._param_dicts + child_dicts
+        self._slot_names = self._param_names + child_names
+        self._slot_objects = self._param_objects + child_objects
         written = {(id(getattr(module, where)), attr) for sig in self.signatures.values() if sig.attributes is not None
                    for _, module, where, attr, _, _ in sig.attributes.written}
         slots = {(id(holder), key): (name, holder, key) for name, holder, key in self._buffer_slots}
@@ -261,9 +287,9 @@ class GraphedCallable:
             return self._eager(f"{hooked} after capture (a replay runs no Python, so the hook would not run); "
                                "ungraph, add hooks, then graph again", args, kwargs)
         if not self.params_in_place():
-            return self._eager("its parameters were replaced after capture (load_state_dict(assign=True), "
-                               "torch.func.functional_call, a new nn.Parameter assigned), and the graphs read the "
-                               "old ones; ungraph, then graph again", args, kwargs)
+            return self._eager("its parameters or submodules were replaced after capture (load_state_dict("
+                               "assign=True), torch.func.functional_call, a new nn.Parameter or submodule "
+                               "assigned), and the graphs run the old ones; ungraph, then graph again", args, kwargs)
         moved = self._memory_moved()
         if moved:
             if any(sig.backward_pending() for sig in self.signatures.values()):
@@ -412,7 +438,7 @@ class GraphedCallable:
         # call (a tensor rebound or a setting changed every step), are slower than eager.
         settled = any(sig.replays > 1 for sig in self.signatures.values())
         self._dropped_in_a_row = 1 if settled else self._dropped_in_a_row + 1
-        if self._dropped_in_a_row >= RECAPTURES_BEFORE_EAGER:
+        if self._dropped_in_a_row >= RECAPTURES_BEFORE_EAGER and self.unsettled is None:  # (one reason: one count)
             self.unsettled = (f"what its graphs read changed on {self._dropped_in_a_row} calls in a row (the last "
                               f"time: {what}), so it runs eager from now on. Keep what the graphs read constant "
                               "between calls (fill tensors in place, set settings once) to graph it")

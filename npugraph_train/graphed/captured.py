@@ -26,8 +26,8 @@ from .errors import GraphCaptureError, GraphStateError
 from .graphs import Graph, graph
 from .host_random import HostRandom
 from .signatures import Signature, describe_signature, unique_tensors
-from .state_attributes import (MODULE_INTERNALS, SCALAR_TYPES, StateAttributes, StorageReads, attribute_path,
-                               carried_state_message, storage_address, tensors_in)
+from .state_attributes import (MODULE_INTERNALS, StateAttributes, StorageReads, attribute_path, carried_state_message,
+                               is_setting, storage_address, tensors_in)
 from .write_log import WarmupWrites
 
 if TYPE_CHECKING:
@@ -198,6 +198,7 @@ class CapturedSignature:
         self.static_outputs: Tuple[torch.Tensor, ...] = ()
         self.outputs_read_by_backward: Tuple[torch.Tensor, ...] = ()
         self.written_scalars: List[Tuple[nn.Module, str, Any]] = []  # (module, name, value at capture)
+        self.assigned: set = set()  # (id(module), name) of the attributes its captured forward assigned
         # ids of parameters frozen now but trained at the first capture: made to require grad for this capture,
         # and allowed to be unused by it (a shape that skips them), as they were when frozen.
         self.unfrozen: set = set()
@@ -243,7 +244,7 @@ class CapturedSignature:
                 self._check_leaves(outputs)
                 self.owner.module_settings.find()  # self.calls = getattr(self, "calls", 0) + 1 made one
                 settings = self.owner.module_settings.read()
-            elif self.owner.module_settings.differ(settings, previous):
+            elif self.owner.module_settings.counting(previous, settings):
                 # Changed again on a later call: state carried in Python (a call counter), which replays,
                 # running no Python, would freeze. (Set once, as an init flag, is not.)
                 raise GraphCaptureError(
@@ -335,8 +336,9 @@ class CapturedSignature:
         # the forward would, so that they match the tensors this signature's replay binds.
         # A graphed module's own submodules; any module a graphed function writes to.
         owned = {id(m) for m in self.owner.func.modules()} if self.owner.is_module else None
+        self.assigned = {(id(m), name) for m, name in assigned}
         self.written_scalars = [(m, name, m.__dict__[name]) for m, name in dict.fromkeys(assigned)
-                                if (owned is None or id(m) in owned) and type(m.__dict__.get(name)) in SCALAR_TYPES
+                                if (owned is None or id(m) in owned) and is_setting(name, m.__dict__.get(name))
                                 and name not in MODULE_INTERNALS]
         flat, self.output_spec = tree_flatten(outputs)
         bad = [type(o).__name__ for o in flat if not isinstance(o, torch.Tensor) and o is not None]

@@ -8,7 +8,9 @@ graphed callables (a module's forward) and the whole-step capture (``training_st
 """
 from __future__ import annotations
 
+import functools
 import itertools
+import types
 import weakref
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -43,6 +45,14 @@ def tensors_in(value: Any) -> List[torch.Tensor]:
 
 # Host values a module keeps beside its tensors (settings, lengths, flags).
 SCALAR_TYPES = (bool, int, float, str)
+# Functions a forward calls through an attribute (TransformerEncoderLayer.activation = F.relu): baked in as well.
+_FUNCTION_TYPES = (types.FunctionType, types.BuiltinFunctionType, functools.partial)
+
+
+def is_setting(name: str, value: Any) -> bool:
+    """Whether a module attribute is a setting its graphs bake in: a number, flag, string or function (an
+    instance's own ``forward`` is not: it is the graphed one, or a wrapper's)."""
+    return type(value) in SCALAR_TYPES or (type(value) in _FUNCTION_TYPES and name != "forward")
 
 def _accepted(holders: Callable[[Any], bool], value: Any) -> bool:
     try:
