@@ -441,10 +441,11 @@ class BakedSetup:
                batch_idx: int) -> Optional[Tuple[str, str]]:
         """(kind, description) of what changed since capture that the graph baked in, or None. The optimizer,
         param groups, train/eval flags, requires_grad, parameter storage, tensors bound to attributes the step
-        read, frozen parameters' kept gradients, module settings, and the module's other attributes and hparams
-        entries the step read are checked every step (4 µs for 8 parameters, 18 µs per 100 more); hooks whenever
-        one was registered (each takes a handle id); parameters, buffers and hooks at each epoch's first batch
-        (where callbacks such as ModelPruning change them)."""
+        read, frozen parameters' kept gradients, module settings, which module each submodule is, and the
+        module's other attributes and hparams entries the step read are checked every step (8 µs for 12
+        parameters in 12 modules, 30 µs per 100 more); hooks whenever one was registered (each takes a handle
+        id); parameters, buffers and hooks at each epoch's first batch (where callbacks such as ModelPruning
+        change them)."""
         if optimizer is not self._optimizer:
             return "optimizer", "the optimizer was replaced (trainer.optimizers)"
         if optimizer.state is not self._state:
