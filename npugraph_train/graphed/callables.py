@@ -90,8 +90,8 @@ class ModuleSettings:
 
     def find(self) -> None:
         """Look for the settings again (the first call of a forward may create some)."""
-        modules = list(self.module.named_modules()) if self.module is not None else []
-        slots = [(attribute_path(path, key), m.__dict__, key) for path, m in modules
+        slots = [(attribute_path(path, key), m.__dict__, key)
+                 for path, m in (self.module.named_modules() if self.module is not None else ())
                  for key, value in m.__dict__.items() if is_setting(key, value) and key not in MODULE_INTERNALS
                  and (self.keep is None or self.keep(path, m, key))]
         self._names, self._dicts, self._keys = (list(z) for z in zip(*slots)) if slots else ([], [], [])
@@ -154,7 +154,6 @@ def submodule_slots(module: nn.Module, leave_out: Collection[Tuple[int, str]] = 
 def slots_hold(dicts: Sequence[Dict[str, Any]], names: Sequence[str], objects: Sequence[Any]) -> bool:
     """Whether each ``dicts[i][names[i]]`` is still ``objects[i]`` (at C speed)."""
     return all(map(operator.is_, map(dict.get, dicts, names), objects))
-
 
 
 class GraphedCallable:
