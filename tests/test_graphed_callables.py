@@ -1,6 +1,7 @@
 import copy
 import functools
 import io
+import itertools
 import random
 import sys
 from pathlib import Path
@@ -1357,7 +1358,7 @@ class TestModuleState:
         model = ng.make_graphed_callables(nn.Linear(4, 4), (torch.zeros(3, 4),))
         x = torch.randn(3, 4)
         new = {k: torch.randn_like(v, requires_grad=True) for k, v in model.named_parameters()}
-        with pytest.warns(RuntimeWarning, match="its parameters or submodules were replaced after capture"):
+        with pytest.warns(RuntimeWarning, match="its parameters or submodules were replaced or added after capture"):
             out = torch.func.functional_call(model, new, (x,))
         assert torch.equal(out, nn.functional.linear(x, new["weight"], new["bias"]))
         out.sum().backward()
@@ -1366,10 +1367,10 @@ class TestModuleState:
         assert torch.equal(model(x), nn.functional.linear(x, model.weight, model.bias))
         assert sum(ng.graphed_state(model).eager_calls.values()) == 2
 
-    @pytest.mark.parametrize("swap", ["activation", "layer"])
-    def test_replaced_submodules_run_eager(self, swap):
-        # An activation swapped, or a layer re-made as a new module: the graphs would run the old one's kernels, and
-        # (for a layer) leave the new parameters without gradients.
+    @pytest.mark.parametrize("swap", ["layer", "appended"])
+    def test_replaced_or_added_submodules_run_eager(self, swap):
+        # A layer re-made as a new module, or one more appended: the graphs would run the old layers and leave the
+        # new parameters without gradients.
         def train(graphed):
             torch.manual_seed(0)
             model = nn.Sequential(nn.Linear(4, 4), nn.GELU(), nn.Linear(4, 1))
@@ -1378,12 +1379,15 @@ class TestModuleState:
             for step in range(4):
                 if step == 2:
                     torch.manual_seed(1)
-                    model[1 if swap == "activation" else 2] = nn.ReLU() if swap == "activation" else nn.Linear(4, 1)
+                    if swap == "layer":
+                        model[2] = nn.Linear(4, 1)
+                    else:
+                        model.append(nn.Linear(1, 1))
                 model(torch.randn(3, 4, requires_grad=True)).sum().backward()
             return model
 
         eager = train(False)
-        with pytest.warns(RuntimeWarning, match="ran eager: its parameters or submodules were replaced after capture"):
+        with pytest.warns(RuntimeWarning, match="ran eager: its parameters or submodules were replaced or added after"):
             graphed = train(True)
         _assert_same_state(eager, graphed)
         assert all(p.grad is not None for p in graphed.parameters())
@@ -1834,7 +1838,27 @@ def test_graphs_dropped_on_every_call_give_way_to_eager():
     assert all(torch.equal(a.grad, b.grad) for a, b in zip(eager.parameters(), graphed.parameters()))
 
 
-@pytest.mark.parametrize("kind", ["partial", "lambda", "module"])
+@pytest.mark.parametrize("pick", ["cycle", "scale"])
+def test_a_function_the_forward_picks_anew_on_every_call_is_refused(pick):
+    # State carried in Python, as a counter is: a replay would keep the capture's function.
+    class Alternating(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin, self.calls = nn.Linear(4, 4), itertools.count()
+
+        def forward(self, x):
+            n = next(self.calls)
+            self.act = ([torch.tanh, torch.sigmoid][n % 2] if pick == "cycle" else
+                        functools.partial(torch.mul, other=float(n)))
+            return self.act(self.lin(x))
+
+    with pytest.raises(ng.GraphCaptureError, match="its forward changes a Python attribute on every call "
+                                                   r"\(act (changed from tanh to sigmoid|was replaced by another "
+                                                   "partial)"):
+        ng.make_graphed_callables(Alternating(), (torch.randn(8, 4, requires_grad=True),))
+
+
+@pytest.mark.parametrize("kind", ["partial", "lambda", "module", "add_module", "moduledict"])
 def test_functions_and_submodules_the_forward_makes_on_every_call_are_its_output(kind):
     # Not settings and not state: the forward makes the same thing anew on each call, so the graphs stay.
     class Attention(nn.Module):
@@ -1844,8 +1868,15 @@ def test_functions_and_submodules_the_forward_makes_on_every_call_are_its_output
             self.make()
 
         def make(self):
-            self.score = (functools.partial(torch.softmax, dim=-1) if kind == "partial" else
-                          (lambda t: torch.softmax(t, -1)) if kind == "lambda" else nn.Softmax(-1))
+            if kind == "add_module":
+                self.add_module("score", nn.Softmax(-1))
+            elif kind == "moduledict":
+                self.parts = getattr(self, "parts", None) or nn.ModuleDict()
+                self.parts["score"] = nn.Softmax(-1)
+                self.score = self.parts["score"].forward
+            else:
+                self.score = (functools.partial(torch.softmax, dim=-1) if kind == "partial" else
+                              (lambda t: torch.softmax(t, -1)) if kind == "lambda" else nn.Softmax(-1))
 
         def forward(self, x):
             self.make()

@@ -145,11 +145,14 @@ def test_snapshots_compare_tensors_and_modules_by_identity_without_reading_tenso
         "extra.layers was replaced by another list (unequal to the one the step read)")
 
 
-def test_snapshots_copy_small_containers_and_keep_large_ones_by_identity():
-    small, large = [1.0] * 10, {i: [0.0] * 10 for i in range(20)}
+def test_snapshots_copy_up_to_1000_entries_and_keep_the_rest_by_identity():
+    small, large = [1.0] * 10, {i: [0.0] * 100 for i in range(20)}
     kept = snapshot(small), snapshot(large)
-    small[0], large[0][0] = 2.0, 1.0  # changed in place
+    small[0], large[0][0], large[19][0] = 2.0, 1.0, 1.0  # changed in place
     assert value_change("small", kept[0], snapshot(small)) == "small changed", "10 entries: copied, so compared"
-    assert value_change("large", kept[1], snapshot(large)) is None, "over 100 entries in all: compared by identity"
-    assert value_change("large", kept[1], snapshot(dict(large))) == (
-        "large was replaced by another dict of 20 (compared by identity: make it once)")
+    assert value_change("large", kept[1], snapshot(large)) == "large[0] changed", "within the first 1000 entries"
+    large[0][0] = 0.0
+    assert value_change("large", kept[1], snapshot(large)) is None, "past 1000 entries: compared by identity"
+    large[19] = [0.0] * 100
+    assert value_change("large", kept[1], snapshot(large)) == (
+        "large[19] was replaced by another list of 100 (compared by identity: make it once)")

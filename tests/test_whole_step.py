@@ -793,11 +793,16 @@ class ReadsAttributes(Scheduled):
         super().__init__(optimizer="adamw")
         self.weight, self.teacher, self.loss_fn = None, None, nn.MSELoss()
         self.criterion, self.weights = nn.functional.mse_loss, [1.0]
+        self.table = {f"k{i}": [1.0] * 4 for i in range(30)}  # 150 entries in all
+        self.blocks[0].extra = None  # a submodule's attribute, where a module may go later
 
     def training_step(self, batch, batch_idx):
         x, y = batch
         out = self(x)
         loss = self.loss_fn(out, y) * (1.0 if self.weight is None else self.weight) * self.weights[0]
+        loss = loss * self.table["k29"][0]
+        if self.blocks[0].extra is not None:
+            loss = loss + self.blocks[0].extra(out).sum()
         loss = loss + self.criterion(out, y)
         if self.teacher is not None:
             loss = loss + nn.functional.mse_loss(out, self.teacher(x).detach())
@@ -809,7 +814,9 @@ _ATTRIBUTE_CHANGES = {
     "loss_fn": lambda m: setattr(m, "loss_fn", nn.L1Loss()),
     "criterion": lambda m: setattr(m, "criterion", nn.functional.l1_loss),
     "weights": lambda m: m.weights.__setitem__(0, 2.0),
-    "dropout": lambda m: setattr(m.blocks[0], "drop", nn.Dropout(0.0))}  # a submodule's submodule
+    "dropout": lambda m: setattr(m.blocks[0], "drop", nn.Dropout(0.0)),  # a submodule's submodule
+    "table": lambda m: m.table["k29"].__setitem__(0, 2.0),  # past 100 entries
+    "extra": lambda m: setattr(m.blocks[0], "extra", nn.Linear(1, 1))}
 
 
 class ChangesAttribute(Callback):
@@ -828,7 +835,10 @@ class ChangesAttribute(Callback):
                                            ("criterion", "criterion changed from mse_loss to l1_loss"),
                                            ("weights", r"weights changed from \[1.0\] to \[2.0\]"),
                                            ("dropout", r"blocks.0.drop was replaced by another Dropout \(compared "
-                                                       "by identity: make it once\)")])
+                                                       "by identity: make it once\)"),
+                                           ("table", r"table.k29 changed from \[1.0, 1.0, 1.0, 1.0\] to \[2.0, 1.0, "
+                                                     r"1.0, 1.0\]"),
+                                           ("extra", r"a submodule was added where there was none \(.*\)")])
 def test_attributes_the_step_read_capture_again_when_replaced_or_set(name, message):
     def fit(callbacks):
         torch.manual_seed(0)

@@ -35,7 +35,7 @@ _LIBRARIES = ("torch", "lightning", "npugraph_train", "omegaconf", "logging")
 # Data a module may hold (file lists, vocabularies): not step state, and costly to copy at every capture.
 _DATA = (torch.utils.data.Dataset, torch.utils.data.DataLoader, pl.LightningDataModule)
 _LARGEST = 1000  # containers with more entries when the capture starts are not watched (a step's state starts small)
-_COMPARED = 100  # entries of a list, tuple or dict that a captured step read compared before each replay
+_COMPARED = 1000  # entries of the lists, tuples and dicts in a value a captured step read, copied each step
 
 
 @functools.lru_cache(maxsize=None)
@@ -184,42 +184,28 @@ class _ByIdentity:
 
 def snapshot(value: Any) -> Any:
     """A value that a captured step read, kept to compare before each replay (:func:`value_change`): lists, tuples
-    and dicts copied, as they change in place (up to 100 entries in all, 4 levels deep; larger ones compare by
-    identity), tensors and modules by identity, anything else itself (numbers and strings compare by value,
+    and dicts copied, as they change in place (1000 entries in all, 4 levels deep; containers beyond that compare
+    by identity), tensors and modules by identity, anything else itself (numbers and strings compare by value,
     other objects as their ``==`` does, by identity unless they define it)."""
-    if type(value) in _PLAIN:
-        return value
-    return _copied(value) if _entries(value, 0) <= _COMPARED else _ByIdentity(value)
+    return _copied(value, 0, [_COMPARED])
 
 
-_PLAIN = frozenset((bool, int, float, str, type(None)))
-
-
-def _entries(value: Any, depth: int) -> int:
-    """The entries of the lists, tuples and dicts in ``value``, counted until there are over 100 (or too deep)."""
-    if not (type(value) in (list, tuple) or isinstance(value, dict)):
-        return 0
-    if depth >= 4:
-        return _COMPARED + 1
-    count = len(value)
-    for v in (dict.values(value) if isinstance(value, dict) else value):
-        if count > _COMPARED:
-            break
-        if type(v) not in _PLAIN:
-            count += _entries(v, depth + 1)
-    return count
-
-
-def _copied(value: Any) -> Any:
+def _copied(value: Any, depth: int, budget: List[int]) -> Any:
     if type(value) in _PLAIN:
         return value
     if isinstance(value, (torch.Tensor, torch.nn.Module)):
         return _ByIdentity(value)
+    if not (type(value) in (list, tuple) or isinstance(value, dict)):
+        return value
+    if depth >= 4 or len(value) > budget[0]:
+        return _ByIdentity(value)
+    budget[0] -= len(value)
     if isinstance(value, dict):
-        return {k: _copied(v) for k, v in dict.items(value)}
-    if type(value) in (list, tuple):
-        return type(value)(map(_copied, value))
-    return value
+        return {k: _copied(v, depth + 1, budget) for k, v in dict.items(value)}
+    return type(value)(_copied(v, depth + 1, budget) for v in value)
+
+
+_PLAIN = frozenset((bool, int, float, str, type(None)))
 
 
 def value_change(name: str, before: Any, now: Any) -> Optional[str]:

@@ -340,6 +340,8 @@ class BakedSetup:
         self._setting_values: tuple = ()
         self._hparams: Optional[HparamsWatch] = None
         self._children: Tuple[list, ...] = ([], [], [], [])
+        self._module_dicts: List[Dict[str, Any]] = []
+        self._module_counts: List[int] = []
         self._objects_read: List[str] = []
         self._object_dicts: List[Dict[str, Any]] = []
         self._containers: List[int] = []
@@ -388,8 +390,16 @@ class BakedSetup:
             return (path != "" or name in watched_root) and (id(owner), name) not in written and not is_metric(owner)
 
         self._module_settings = ModuleSettings(module, keep)
-        # Which module each submodule is (an activation swapped mid-epoch): the graph runs the old one's kernels.
-        self._children = tuple(map(list, zip(*submodule_slots(module, written)))) or ([], [], [], [])
+        # Which module each submodule of those the step read is (an activation swapped mid-epoch: the graph runs
+        # the old one's kernels), and how many each holds (a teacher put where None was, a ModuleList grown).
+        slots = [(name, module._modules, name, child) for name, child in module._modules.items()
+                 if name in watched_root and (id(module), name) not in written]
+        read = [child for *_, child in slots if child is not None]
+        slots += [(f"{top}.{label}", d, n, c) for (top, *_, child) in slots if child is not None
+                  for label, d, n, c in submodule_slots(child, written)]
+        self._children = tuple(map(list, zip(*slots))) or ([], [], [], [])
+        self._module_dicts = [m._modules for child in read for m in child.modules()]
+        self._module_counts = list(map(len, self._module_dicts))
         # Its other attributes the step read (None or a teacher module set later, a loss function replaced, a list
         # of weights): which branch the step took, which modules it ran, are baked in. Tensors are bindings (below).
         values, state = vars(module), {**module._modules, **vars(module)}
@@ -476,6 +486,9 @@ class BakedSetup:
         if not slots_hold(dicts, names, children):
             label, old, new = next((label, c, d.get(n)) for label, d, n, c in zip(*self._children) if d.get(n) is not c)
             return "submodule", changed_words(label, old, new)
+        if list(map(len, self._module_dicts)) != self._module_counts:
+            return "submodule", ("a submodule was added where there was none (a ModuleList grown, a module put "
+                                 "where None was)")
         settings, hparams, objects = self.read_settings(module)
         if self._module_settings is not None and self._module_settings.differ(settings, self._setting_values):
             # A Dropout's p, a BatchNorm's momentum, a loss weight the step reads (self.beta): set by a callback

@@ -39,6 +39,7 @@ and safer than both:
 from __future__ import annotations
 
 import copy
+import functools
 import operator
 import types
 from collections import Counter
@@ -68,6 +69,19 @@ RECAPTURES_BEFORE_EAGER = 3
 
 
 _requires_grad = operator.attrgetter("requires_grad")
+
+
+def _made_alike(a: Any, b: Any) -> bool:
+    """Whether two functions were made the same way: the same code over equal closure values, or partials of
+    one function with equal arguments."""
+    if type(a) is not type(b):
+        return False
+    if isinstance(a, functools.partial):
+        return a.func is b.func and not scalar_changed((a.args, a.keywords), (b.args, b.keywords))
+    if isinstance(a, types.FunctionType):
+        cells = [tuple(c.cell_contents for c in f.__closure__ or ()) for f in (a, b)]
+        return a.__code__ is b.__code__ and not scalar_changed(*cells) and a.__defaults__ == b.__defaults__
+    return False
 
 
 def _shown(value: Any) -> str:
@@ -121,9 +135,10 @@ class ModuleSettings:
         return unequal and (len(a) != len(b) or any(map(scalar_changed, a, b)))
 
     def counting(self, before: tuple, now: tuple) -> bool:
-        """Whether a number, flag or string changed: state carried in Python (a call counter). A function the
-        forward makes on every call (``functools.partial(F.softmax, dim=-1)``) is its output, not state."""
-        return len(before) != len(now) or any(scalar_changed(old, new) and type(new) in SCALAR_TYPES
+        """Whether a setting changed as state carried in Python does (a call counter, a function picked in turn).
+        A function the forward makes alike on every call (``functools.partial(F.softmax, dim=-1)``, a lambda) is
+        its output, not state."""
+        return len(before) != len(now) or any(scalar_changed(old, new) and not _made_alike(old, new)
                                               for old, new in zip(before, now))
 
     def change(self, before: tuple, now: tuple) -> str:
@@ -149,6 +164,10 @@ def submodule_slots(module: nn.Module, leave_out: Collection[Tuple[int, str]] = 
     running the old one."""
     return [(attribute_path(path, name), m._modules, name, child) for path, m in module.named_modules()
             for name, child in m._modules.items() if (id(m), name) not in leave_out]
+
+
+def holds_parameters(module: Optional[nn.Module]) -> bool:
+    return module is not None and next(module.parameters(), None) is not None
 
 
 def slots_hold(dicts: Sequence[Dict[str, Any]], names: Sequence[str], objects: Sequence[Any]) -> bool:
@@ -230,21 +249,26 @@ class GraphedCallable:
 
     def params_in_place(self) -> bool:
         """Whether the parameters and submodules are those the graphs were captured with."""
-        return slots_hold(self._slot_dicts, self._slot_names, self._slot_objects)
+        return slots_hold(self._slot_dicts, self._slot_names, self._slot_objects) and list(
+            map(len, self._module_dicts)) == self._module_counts
 
     def note_memory(self) -> None:
         """Take the parameters' storage, the buffers in their slots and the plain tensor attributes the captured
         forwards read (``self.scale = torch.tensor(0.5)``) as the graphs' (after a capture). Attributes the
         forward only writes are left out: a replay binds them to its own tensors."""
         self._param_ptrs = list(map(torch.Tensor.data_ptr, self._param_objects))
-        # ... and each submodule: one replaced brings code and parameters the graphs never saw. Not those the
-        # forward itself assigns (self.act = nn.Softmax(-1) on every call): its output, which a replay leaves.
+        # ... and each submodule holding parameters: one replaced (a layer re-made) brings parameters the graphs
+        # never saw, which would get no gradients. Not those the forward itself assigns: its output, which a
+        # replay leaves. A submodule added where there was none (a ModuleList grown) changes a count.
         assigned = {slot for sig in self.signatures.values() for slot in sig.assigned}
-        children = submodule_slots(self.func, assigned) if self.is_module else []
+        children = [slot for slot in submodule_slots(self.func, assigned) if holds_parameters(slot[3])] \
+            if self.is_module else []
         _, child_dicts, child_names, child_objects = (list(z) for z in zip(*children)) if children else ([],) * 4
         self._slot_dicts = self._param_dicts + child_dicts
         self._slot_names = self._param_names + child_names
         self._slot_objects = self._param_objects + child_objects
+        self._module_dicts = [m._modules for m in self.func.modules()] if self.is_module else []
+        self._module_counts = list(map(len, self._module_dicts))
         written = {(id(getattr(module, where)), attr) for sig in self.signatures.values() if sig.attributes is not None
                    for _, module, where, attr, _, _ in sig.attributes.written}
         slots = {(id(holder), key): (name, holder, key) for name, holder, key in self._buffer_slots}
@@ -286,9 +310,9 @@ class GraphedCallable:
             return self._eager(f"{hooked} after capture (a replay runs no Python, so the hook would not run); "
                                "ungraph, add hooks, then graph again", args, kwargs)
         if not self.params_in_place():
-            return self._eager("its parameters or submodules were replaced after capture (load_state_dict("
-                               "assign=True), torch.func.functional_call, a new nn.Parameter or submodule "
-                               "assigned), and the graphs run the old ones; ungraph, then graph again", args, kwargs)
+            return self._eager("its parameters or submodules were replaced or added after capture (load_state_dict("
+                               "assign=True), torch.func.functional_call, a new nn.Parameter, layer or ModuleList "
+                               "entry), and the graphs run the old ones; ungraph, then graph again", args, kwargs)
         moved = self._memory_moved()
         if moved:
             if any(sig.backward_pending() for sig in self.signatures.values()):
