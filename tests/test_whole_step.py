@@ -694,21 +694,28 @@ class Anneal(Callback):
         setattr(owner, name, 1.0 + 0.5 * trainer.current_epoch)
 
 
-@pytest.mark.parametrize("where, name", [("root", "beta"), ("submodule", "scale.factor")])
-def test_settings_changed_between_steps_capture_again(where, name):
+def _eager_and_graphed(make_model, change, match, max_steps=30):
+    """The same fit eager and in whole_step, with the callback ``change`` that changes what the step reads; the
+    graphed fit warns with ``match``. Returns both models and the capture report's row."""
     def fit(callbacks):
         torch.manual_seed(0)
-        model = Weighted()
-        trainer([Anneal(where), *callbacks], max_steps=30, val_check_interval=None, limit_val_batches=0).fit(
+        model = make_model()
+        trainer([change, *callbacks], max_steps=max_steps, val_check_interval=None, limit_val_batches=0).fit(
             model, loaders()[0])
         return model
 
     eager = fit([])
     callback = NPUGraphCallback(mode="whole_step")
-    with pytest.warns(UserWarning, match=rf"{re.escape(name)} changed from 1.0 to 1.5 after the training step was "
-                                         "captured; it is captured again"):
+    with pytest.warns(UserWarning, match=match):
         graphed = fit([callback])
-    row = callback.report()[0]
+    return eager, graphed, callback.report()[0]
+
+
+@pytest.mark.parametrize("where, name", [("root", "beta"), ("submodule", "scale.factor")])
+def test_settings_changed_between_steps_capture_again(where, name):
+    eager, graphed, row = _eager_and_graphed(Weighted, Anneal(where), rf"{re.escape(name)} changed from 1.0 to 1.5 "
+                                                                      "after the training step was captured; it is "
+                                                                      "captured again")
     assert row["captures"] == 4 and row["replays"] > 15, row  # one per epoch (30 steps of 9): not per counted step
     assert _same(eager, graphed) and graphed.seen == eager.seen
 
@@ -767,19 +774,9 @@ class AnnealHparams(Callback):
     ("tensor", "scale", "the tensor in hparams.scale was replaced"),
 ])
 def test_hparams_the_step_read_changed_between_steps_capture_again(read, change, message):
-    def fit(callbacks):
-        torch.manual_seed(0)
-        model = FromHparams(read, loss={"beta": 1.0}, weights=[1.0], scale=torch.tensor(1.0))
-        trainer([AnnealHparams(change), *callbacks], max_steps=30, val_check_interval=None,
-                limit_val_batches=0).fit(model, loaders()[0])
-        return model
-
-    eager = fit([])
-    callback = NPUGraphCallback(mode="whole_step")
-    with pytest.warns(UserWarning, match=rf"{re.escape(message)}.* after the training step was captured; it is "
-                                         "captured again"):
-        graphed = fit([callback])
-    row = callback.report()[0]
+    eager, graphed, row = _eager_and_graphed(
+        lambda: FromHparams(read, loss={"beta": 1.0}, weights=[1.0], scale=torch.tensor(1.0)), AnnealHparams(change),
+        rf"{re.escape(message)}.* after the training step was captured; it is captured again")
     assert row["captures"] == (2 if change == "deleted" else 4) and row["replays"] > 15, row
     assert _same(eager, graphed)
     assert type(graphed.hparams).__name__ == "AttributeDict" and "__class__" not in graphed.hparams
@@ -840,18 +837,9 @@ class ChangesAttribute(Callback):
                                                      r"1.0, 1.0\]"),
                                            ("extra", r"a submodule was added where there was none \(.*\)")])
 def test_attributes_the_step_read_capture_again_when_replaced_or_set(name, message):
-    def fit(callbacks):
-        torch.manual_seed(0)
-        model = ReadsAttributes()
-        trainer([ChangesAttribute(name), *callbacks], max_steps=24, val_check_interval=None,
-                limit_val_batches=0).fit(model, loaders()[0])
-        return model
-
-    eager = fit([])
-    callback = NPUGraphCallback(mode="whole_step")
-    with pytest.warns(UserWarning, match=f"{message} after the training step was captured"):
-        graphed = fit([callback])
-    assert _same(eager, graphed) and callback.report()[0]["captures"] == 2
+    eager, graphed, row = _eager_and_graphed(ReadsAttributes, ChangesAttribute(name),
+                                             f"{message} after the training step was captured", max_steps=24)
+    assert _same(eager, graphed) and row["captures"] == 2
 
 
 def test_hparams_the_step_does_not_read_are_no_settings():

@@ -30,8 +30,7 @@ from torch.optim.lr_scheduler import LRScheduler, ReduceLROnPlateau
 from torch.utils.hooks import RemovableHandle
 
 from ..graphed import GraphCaptureError
-from ..graphed.callables import (GLOBAL_HOOK_KINDS, MODULE_HOOK_KINDS, ModuleSettings, changed_words, slots_hold,
-                                 submodule_slots)
+from ..graphed.callables import GLOBAL_HOOK_KINDS, MODULE_HOOK_KINDS, ModuleSettings, slots_hold, submodule_slots
 from ..graphed.state_attributes import SCALAR_TYPES, adopted, carried_state_message
 from ..graphed.user_code import user_frame, user_source_line
 from .hparams import HparamsWatch
@@ -343,7 +342,6 @@ class BakedSetup:
         self._module_dicts: List[Dict[str, Any]] = []
         self._module_counts: List[int] = []
         self._objects_read: List[str] = []
-        self._object_dicts: List[Dict[str, Any]] = []
         self._containers: List[int] = []
         self._object_values: tuple = ()
         self._hparams_values: tuple = ()
@@ -400,17 +398,16 @@ class BakedSetup:
         self._children = tuple(map(list, zip(*slots))) or ([], [], [], [])
         self._module_dicts = [m._modules for child in read for m in child.modules()]
         self._module_counts = list(map(len, self._module_dicts))
-        # Its other attributes the step read (None or a teacher module set later, a loss function replaced, a list
-        # of weights): which branch the step took, which modules it ran, are baked in. Tensors are bindings (below).
-        values, state = vars(module), {**module._modules, **vars(module)}
+        # Its other attributes the step read (None where a teacher module is set later, a loss function replaced,
+        # a list of weights): which branch the step took, which code it ran, are baked in. Submodules are the slots'
+        # above, tensors bindings (below). A module assigned over None goes to _modules: missing here, a change.
+        values = vars(module)
         self._objects_read = sorted(  # (_hparams, the dict behind self.hparams: watched by the keys read)
-            name for name in watched_root - {"_hparams"} if name in state and (id(module), name) not in written
-            and type(state[name]) not in SCALAR_TYPES and not isinstance(state[name], torch.Tensor))
-        # Where each lives (a module assigned over None moves to _modules: it is then missing here, a change);
-        # which are containers, compared entry by entry (they change in place).
-        self._object_dicts = [values if name in values else module._modules for name in self._objects_read]
+            name for name in watched_root - {"_hparams"} if name in values and (id(module), name) not in written
+            and type(values[name]) not in SCALAR_TYPES and not isinstance(values[name], torch.Tensor))
+        # Containers are compared entry by entry (they change in place).
         self._containers = [i for i, name in enumerate(self._objects_read)
-                            if isinstance(state[name], (list, tuple, dict))]
+                            if isinstance(values[name], (list, tuple, dict))]
         self._hparams = HparamsWatch(module, hparams_read)
         self._setting_values, self._hparams_values, self._object_values = self.read_settings(module)
         groups = optimizer.param_groups
@@ -430,10 +427,10 @@ class BakedSetup:
         """The module settings, hparams values and other attributes the graph baked in, as they are now."""
         if self._module_settings is None or self._hparams is None:
             return (), (), ()
-        objects = self._copied(map(dict.get, self._object_dicts, self._objects_read, itertools.repeat(UNSET)))
+        objects = self._snapshots(map(vars(module).get, self._objects_read, itertools.repeat(UNSET)))
         return self._module_settings.read(), self._hparams.read(), objects
 
-    def _copied(self, objects: Iterable[Any]) -> tuple:
+    def _snapshots(self, objects: Iterable[Any]) -> tuple:
         """The attributes as read, with the containers among them copied (they change in place)."""
         if not self._containers:
             return tuple(objects)
@@ -485,7 +482,7 @@ class BakedSetup:
         labels, dicts, names, children = self._children
         if not slots_hold(dicts, names, children):
             label, old, new = next((label, c, d.get(n)) for label, d, n, c in zip(*self._children) if d.get(n) is not c)
-            return "submodule", changed_words(label, old, new)
+            return "submodule", value_change(label, old, new)
         if list(map(len, self._module_dicts)) != self._module_counts:
             return "submodule", ("a submodule was added where there was none (a ModuleList grown, a module put "
                                  "where None was)")
@@ -499,7 +496,7 @@ class BakedSetup:
             if changed is not None:
                 return "settings", changed
         if _unequal(objects, self._object_values):
-            now = self._copied(_attribute(module, name) for name in self._objects_read)
+            now = self._snapshots(_attribute(module, name) for name in self._objects_read)
             changed = next(filter(None, map(value_change, self._objects_read, self._object_values, now)), None)
             if changed is not None:
                 return "settings", changed

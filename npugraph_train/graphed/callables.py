@@ -146,11 +146,11 @@ class ModuleSettings:
             return "submodule settings were deleted"
         for name, old, new in zip(self._names, before, now):
             if scalar_changed(old, new):
-                return changed_words(name, old, new)
+                return _changed_words(name, old, new)
         return "submodule settings changed"
 
 
-def changed_words(name: str, old: Any, new: Any) -> str:
+def _changed_words(name: str, old: Any, new: Any) -> str:
     """``name changed from old to new``, with functions and modules by their names."""
     old_shown, new_shown = _shown(old), _shown(new)
     if old_shown == new_shown:  # functions and modules compare by identity: a new one, made alike
