@@ -13,7 +13,6 @@ types and invalid values fail at start-up with the valid choices.
 """
 from __future__ import annotations
 
-import difflib
 from dataclasses import dataclass, field, fields, is_dataclass
 from typing import Any, Dict, Iterable, List, Mapping, Tuple, Type, Union
 
@@ -21,6 +20,7 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 from .graphed.backends import CAPTURE_ERROR_MODES
 from .graphed.backends import CHOICES as BACKENDS  # auto, npu, cuda, emulate
+from .graphed.errors import unknown_names
 
 MODES = ("off", "submodules", "whole_step")
 ON_FAILURE = ("raise", "eager")
@@ -204,9 +204,7 @@ def _invalid(name: str, value: Any) -> MisconfigurationException:
 
 def unknown_settings_error(where: str, keys: Iterable[str]) -> MisconfigurationException:
     valid = [f.name for f in fields(NPUGraphConfig)]
-    hints = [f"{key!r} (did you mean {close[0]!r}?)" if close else repr(key)
-             for key, close in ((k, difflib.get_close_matches(str(k), valid, n=1)) for k in keys)]
-    return MisconfigurationException(f"{where} got unknown settings {', '.join(hints)}; valid settings: "
+    return MisconfigurationException(f"{where} got unknown settings {unknown_names(keys, valid)}; valid settings: "
                                      f"{', '.join(valid)}")
 
 

@@ -153,6 +153,8 @@ def test_on_failure_raise_stops_with_capture_error():
     assert _graphed_forwards(model) == []
     status = {row["module"]: row["status"] for row in graphs.report()}
     assert status["sync"].startswith("capture failed: ") and "x.mean().item()" in status["sync"], status
+    # captured with it into one pool, the blocks are not graphed either, and say why
+    assert status["blocks.0"] == status["blocks.1"] == "not captured: capture of sync failed", status
 
 
 class WithCausalEncoder(Regressor):

@@ -215,6 +215,32 @@ def test_a_capture_failing_after_warmup_grew_a_tensor_still_puts_the_rest_back()
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
 
 
+def test_a_failing_undo_of_warmup_writes_still_restores_buffers_and_says_so(monkeypatch):
+    from npugraph_train.graphed import write_log
+
+    class FailsInWarmup(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.bn, self.calls = nn.BatchNorm1d(4), 0
+
+        def forward(self, x):
+            self.calls += 1
+            if self.calls == 2:
+                raise ValueError("boom")
+            return self.bn(x)
+
+    class UndoFails(write_log.WriteLog):
+        def undo(self, only=None):
+            raise RuntimeError("undo failed")
+
+    monkeypatch.setattr(write_log, "WriteLog", UndoFails)  # the warmup's log; the emulator holds its own name
+    model = FailsInWarmup()
+    with pytest.raises(ng.GraphCaptureError, match="boom") as info:
+        ng.make_graphed_callables(model, (torch.randn(8, 4),))
+    assert "could not undo the warmup: RuntimeError: undo failed" in "".join(getattr(info.value, "__notes__", []))
+    assert torch.equal(model.bn.running_mean, torch.zeros(4)) and model.bn.num_batches_tracked == 0
+
+
 def test_graphed_callables_dropped_without_ungraph_are_freed():
     import gc
     import weakref

@@ -1179,6 +1179,8 @@ class ChangesSetup(Scheduled):
         opt = self.trainer.optimizers[0]
         if self.change == "weight_decay":
             opt.param_groups[0]["weight_decay"] = 0.5
+        elif self.change == "group_key":  # a callback's own entry
+            opt.param_groups[0]["ema_decay"] = 0.99
         elif self.change == "unfreeze":
             self.embed.requires_grad_(True)
         elif self.change == "add_param_group":
@@ -1210,6 +1212,7 @@ class ChangesSetup(Scheduled):
 
 @pytest.mark.parametrize("change,reason", [
     ("weight_decay", "param group 0's 'weight_decay' changed"),
+    ("group_key", "param group 0's 'ema_decay' changed"),
     ("unfreeze", "requires_grad of parameters changed"),
     ("add_param_group", "param groups were added or removed"),
     ("eval", "switched between train() and eval()"),

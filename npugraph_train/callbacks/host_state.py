@@ -16,10 +16,11 @@ replay (a change captures again).
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import weakref
-from typing import Any, Dict, Iterable, List, NamedTuple, Optional, Tuple
+from typing import Any, Dict, Iterable, Iterator, List, NamedTuple, Optional, Set, Tuple
 
 import lightning.pytorch as pl
 import torch
@@ -242,3 +243,18 @@ def short_value(value: Any) -> str:
     if len(text) <= 40:
         return text
     return f"{type(value).__name__} of {len(value)}" if isinstance(value, (list, tuple, dict)) else text[:37] + "..."
+
+
+@contextlib.contextmanager
+def reads_noted(obj: Any, recording_class: type, reads: Dict[int, Set[str]]) -> Iterator[Set[str]]:
+    """The names that ``recording_class``, a subclass of ``type(obj)`` that notes them in ``reads[id(obj)]``,
+    sees read inside, ``obj``'s class being swapped for it there."""
+    cls = type(obj)
+    names: Set[str] = set()
+    try:
+        reads[id(obj)] = names
+        object.__setattr__(obj, "__class__", recording_class)  # (AttributeDict's setattr would set a key)
+        yield names
+    finally:
+        object.__setattr__(obj, "__class__", cls)
+        reads.pop(id(obj), None)

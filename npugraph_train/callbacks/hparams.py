@@ -26,7 +26,7 @@ from typing import Any, Collection, Dict, Iterator, Optional, Set, Tuple
 
 import torch
 
-from .host_state import UNSET, snapshot, value_change
+from .host_state import UNSET, reads_noted, snapshot, value_change
 
 _READS: Dict[int, Set[str]] = {}  # id(hparams) -> the keys read, while recording
 
@@ -85,18 +85,11 @@ def recording_hparams_reads(module: torch.nn.Module) -> Iterator[Set[str]]:
     """The keys of ``module.hparams`` read inside: its class is swapped for a subclass that notes them (a plain
     dict cannot change class, and a DictConfig is no dict: neither is recorded)."""
     hparams = _hparams(module)
-    cls = type(hparams) if isinstance(hparams, dict) and type(hparams) is not dict else None
-    keys: Set[str] = set()
-    if cls is None:
-        yield keys
+    if not isinstance(hparams, dict) or type(hparams) is dict:
+        yield set()
         return
-    try:
-        _READS[id(hparams)] = keys
-        object.__setattr__(hparams, "__class__", _recording_class(cls))  # (AttributeDict's setattr sets a key)
+    with reads_noted(hparams, _recording_class(type(hparams)), _READS) as keys:
         yield keys
-    finally:
-        object.__setattr__(hparams, "__class__", cls)
-        _READS.pop(id(hparams), None)
 
 
 class HparamsWatch:

@@ -31,10 +31,10 @@ from torch.utils.hooks import RemovableHandle
 
 from ..graphed import GraphCaptureError
 from ..graphed.callables import GLOBAL_HOOK_KINDS, MODULE_HOOK_KINDS, ModuleSettings, slots_hold, submodule_slots
-from ..graphed.state_attributes import SCALAR_TYPES, adopted, carried_state_message
+from ..graphed.state_attributes import SCALAR_TYPES, adopted, carried_state_message, columns
 from ..graphed.user_code import user_frame, user_source_line
 from .hparams import HparamsWatch
-from .host_state import UNSET, lightning_internals, snapshot, value_change
+from .host_state import UNSET, lightning_internals, reads_noted, snapshot, value_change
 
 
 def is_metric(value: Any) -> bool:
@@ -103,18 +103,9 @@ def _recording_class(cls: type) -> type:
                                        "__qualname__": cls.__qualname__})
 
 
-@contextlib.contextmanager
-def recording_reads(module: torch.nn.Module) -> Iterator[Set[str]]:
+def recording_reads(module: torch.nn.Module) -> ContextManager[Set[str]]:
     """The names of ``module``'s attributes read inside (its class is swapped for a subclass that notes them)."""
-    cls = type(module)
-    names: Set[str] = set()
-    try:
-        _READS_BY_MODULE[id(module)] = names
-        module.__class__ = _recording_class(cls)
-        yield names
-    finally:
-        module.__class__ = cls
-        _READS_BY_MODULE.pop(id(module), None)
+    return reads_noted(module, _recording_class(type(module)), _READS_BY_MODULE)
 
 
 _HOST_COUNTERS = ("global_step", "current_epoch")
@@ -294,8 +285,10 @@ def _changed_setting(before: List[Dict[str, Any]], sizes: List[int],
     Tensors compare by identity: their values are read on the device, and a new tensor is not the graph's.
     """
     for i, (old, size, group) in enumerate(zip(before, sizes, groups)):
-        if len(group) != len(old) + 1 or len(group["params"]) != size:
+        if len(group["params"]) != size:
             return i, "params"
+        if len(group) != len(old) + 1:  # a key added or removed (by a callback, a scheduler)
+            return i, sorted(map(str, set(group).symmetric_difference(old) - {"params"}))[0]
         for key, previous in old.items():
             value = group.get(key, old)  # the dict itself: a key that is gone
             if value is not previous and (
@@ -375,7 +368,7 @@ class BakedSetup:
         assigned, which are its outputs, not settings (self.n = x.shape[0], rewritten by eager forwards);
         ``bindings``: the attributes bound to tensors the step read (``StateAttributes.read_bindings``);
         ``hparams_read``: the keys of ``module.hparams`` it read (:func:`.hparams.recording_hparams_reads`)."""
-        self._bound = tuple(map(list, zip(*bindings))) if bindings else ([], [], [], [])
+        self._bound = columns(bindings, 4)
         # Gradients of frozen parameters that the captured optimizer step reads (zero_grad(set_to_none=False) kept
         # them) and no backward writes: eager steps stop updating such a parameter once its .grad is None.
         self._kept_grads = [(p, p.grad) for group in optimizer.param_groups for p in group["params"]
@@ -395,7 +388,7 @@ class BakedSetup:
         read = [child for *_, child in slots if child is not None]
         slots += [(f"{top}.{label}", d, n, c) for (top, *_, child) in slots if child is not None
                   for label, d, n, c in submodule_slots(child, written)]
-        self._children = tuple(map(list, zip(*slots))) or ([], [], [], [])
+        self._children = columns(slots, 4)
         self._module_dicts = [m._modules for child in read for m in child.modules()]
         self._module_counts = list(map(len, self._module_dicts))
         # Its other attributes the step read (None where a teacher module is set later, a loss function replaced,

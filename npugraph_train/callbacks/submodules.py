@@ -181,7 +181,10 @@ class SubmoduleGrapher:
                         auto_dispatch_capture=self.config.auto_dispatch_capture, backend=self.backend)
             except GraphCaptureError as exc:
                 if self.config.on_failure == "raise" or exc.module_name not in pending:
-                    if exc.module_name in self.status:  # the report, logged at the exception, says why
+                    # The report, logged at the exception, says why for each module.
+                    cause = f"not captured: capture of {exc.module_name or 'a module'} failed"
+                    self.status = {name: cause if why == NOT_CAPTURED else why for name, why in self.status.items()}
+                    if exc.module_name in self.status:
                         self.status[exc.module_name] = f"capture failed: {exc}"
                     raise
                 pending.remove(exc.module_name)

@@ -50,13 +50,14 @@ import torch.nn as nn
 from torch.utils._pytree import tree_flatten
 from torch.utils.hooks import RemovableHandle
 
-from .backends import CAPTURE_ERROR_MODES, Backend, get_backend
+from .backends import Backend, get_backend
+from .backends.base import check_capture_error_mode
 from .captured import (CapturedSignature, SignatureStats, batch_ids, capture_signatures, in_checkpoint_forward,
                        may_keep_grad)
 from .errors import GraphCaptureError, GraphStateError
 from .signatures import (Signature, describe_signature, difference_hint, flatten_call, is_constant, serves, signature,
                          static_copies, within)
-from .state_attributes import (MODULE_INTERNALS, SCALAR_TYPES, adopted, attribute_path, is_setting,
+from .state_attributes import (MODULE_INTERNALS, SCALAR_TYPES, adopted, attribute_path, columns, is_setting,
                                recomputed_by_hooks, scalar_changed)
 from .user_code import warn_at_user_code
 
@@ -108,7 +109,7 @@ class ModuleSettings:
                  for path, m in (self.module.named_modules() if self.module is not None else ())
                  for key, value in m.__dict__.items() if is_setting(key, value) and key not in MODULE_INTERNALS
                  and (self.keep is None or self.keep(path, m, key))]
-        self._names, self._dicts, self._keys = (list(z) for z in zip(*slots)) if slots else ([], [], [])
+        self._names, self._dicts, self._keys = columns(slots, 3)
 
     def read(self) -> tuple:
         try:
@@ -205,8 +206,7 @@ class GraphedCallable:
         # other tensors there, which the graphs would never read.
         modules = list(func.modules()) if self.is_module else []
         param_slots = [(m._parameters, n, p) for m in modules for n, p in m._parameters.items() if p is not None]
-        self._param_dicts, self._param_names, self._param_objects = (
-            (list(z) for z in zip(*param_slots)) if param_slots else ([], [], []))
+        self._param_dicts, self._param_names, self._param_objects = columns(param_slots, 3)
         # Memory the graphs read that code outside the forward may move: a parameter's storage (p.data = ...,
         # a max-norm constraint), the buffers in their slots (a schedule kept in a buffer, rebound) and plain
         # tensor attributes the captured forwards read (see note_memory).
@@ -263,7 +263,7 @@ class GraphedCallable:
         assigned = {slot for sig in self.signatures.values() for slot in sig.assigned}
         children = [slot for slot in submodule_slots(self.func, assigned) if holds_parameters(slot[3])] \
             if self.is_module else []
-        _, child_dicts, child_names, child_objects = (list(z) for z in zip(*children)) if children else ([],) * 4
+        _, child_dicts, child_names, child_objects = columns(children, 4)
         self._slot_dicts = self._param_dicts + child_dicts
         self._slot_names = self._param_names + child_names
         self._slot_objects = self._param_objects + child_objects
@@ -275,8 +275,7 @@ class GraphedCallable:
         slots.update(((id(holder), key), (name, holder, key)) for sig in self.signatures.values()
                      for name, holder, key, _ in sig.read_bindings)
         watched = [slot for place, slot in slots.items() if place not in written]
-        self._bound_labels, self._bound_dicts, self._bound_names = (
-            (list(z) for z in zip(*watched)) if watched else ([], [], []))
+        self._bound_labels, self._bound_dicts, self._bound_names = columns(watched, 3)
         self._bound_seen = self._bound_now()
 
     def _bound_now(self) -> List[Any]:
@@ -672,9 +671,7 @@ def make_graphed_callables(
     bad = [limit for limit in limits if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1]
     if bad:
         raise ValueError(f"make_graphed_callables: max_signatures must be whole numbers >= 1, got {bad[0]!r}")
-    if capture_error_mode not in CAPTURE_ERROR_MODES:
-        raise ValueError(f"make_graphed_callables: capture_error_mode={capture_error_mode!r}; choose one of "
-                         f"{', '.join(CAPTURE_ERROR_MODES)}")
+    check_capture_error_mode(capture_error_mode, "make_graphed_callables")
     if torch.is_inference_mode_enabled():
         # The static inputs would be inference tensors, which later training calls cannot write.
         raise GraphCaptureError("make_graphed_callables under torch.inference_mode(): graphs for training calls "

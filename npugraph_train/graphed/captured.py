@@ -680,11 +680,11 @@ def capture_signatures(sigs: Sequence[CapturedSignature], key_of: Dict[int, Sign
     except BaseException as exc:  # Ctrl-C or any error in a user's forward: warmup must leave no trace either
         notes = []
         try:
-            writes.log.undo()
-            restore()
-            backend.synchronize()
-        except Exception as undo:  # the original error is the one to see
-            notes.append(f"npugraph_train could not undo the warmup: {type(undo).__name__}: {undo}")
+            for undo in (writes.log.undo, restore, backend.synchronize):  # each runs even if one before failed
+                try:
+                    undo()
+                except Exception as failed:  # the original error is the one to see
+                    notes.append(f"npugraph_train could not undo the warmup: {type(failed).__name__}: {failed}")
         finally:
             for owner, settings in zip(owners, settings_before):
                 owner.module_settings.put_back(settings)

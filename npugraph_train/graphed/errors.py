@@ -1,5 +1,6 @@
 """Exceptions of the graph layer."""
-from typing import Optional
+import difflib
+from typing import Iterable, Optional, Sequence
 
 
 class GraphCaptureError(RuntimeError):
@@ -22,3 +23,9 @@ class GraphStateError(RuntimeError):
 
 class BackendUnavailableError(RuntimeError):
     """The requested graph backend is unknown or cannot run on this machine."""
+
+
+def unknown_names(names: Iterable[str], valid: Sequence[str]) -> str:
+    """``'warmup_step' (did you mean 'warmup_steps'?), 'foo'``: for errors that name settings nobody has."""
+    return ", ".join(f"{name!r} (did you mean {close[0]!r}?)" if close else repr(name)
+                     for name, close in ((n, difflib.get_close_matches(str(n), valid, n=1)) for n in names))

@@ -29,8 +29,8 @@ import re
 import threading
 from typing import Any, ContextManager, Dict, List, Optional, Union
 
-from .backends import CAPTURE_ERROR_MODES, Backend, get_backend
-from .backends.base import NO_UPDATE
+from .backends import Backend, get_backend
+from .backends.base import NO_UPDATE, check_capture_error_mode
 from .errors import GraphCaptureError, GraphStateError
 from .host_read_hints import library_hint
 from .user_code import raised_through, user_source_line
@@ -38,11 +38,6 @@ from .user_code import raised_through, user_source_line
 _EMPTY, _CAPTURING, _CAPTURED, _FAILED = "empty", "capturing", "captured", "failed"
 _capture_lock = threading.Lock()
 _active_capture: Optional["Graph"] = None
-
-
-def _check_capture_error_mode(mode: str) -> None:
-    if mode not in CAPTURE_ERROR_MODES:
-        raise ValueError(f"capture_error_mode={mode!r} is not one of {', '.join(CAPTURE_ERROR_MODES)}")
 
 
 class Graph:
@@ -85,7 +80,7 @@ class Graph:
 
     def capture_begin(self, pool: Any = None, capture_error_mode: str = "global") -> None:
         """Begin capturing work on the current stream (which must not be the default stream)."""
-        _check_capture_error_mode(capture_error_mode)
+        check_capture_error_mode(capture_error_mode, "Graph.capture_begin")
         self._start_capture()
         try:
             self.native.capture_begin(pool=pool, capture_error_mode=capture_error_mode)
@@ -174,8 +169,9 @@ class Graph:
 class graph:
     """Capture the work of a ``with`` block into ``npu_graph``, the way ``torch_npu.npu.graph`` does.
 
-    Synchronises the device, frees cached memory and captures on a side stream (``stream``, or a
-    shared default capture stream). All arguments reach the backend as keywords.
+    On npu and cuda the device's own ``graph`` context runs it: it synchronises the device, frees cached
+    memory and captures on a side stream (``stream``, or a shared default capture stream). All arguments
+    reach the backend as keywords.
 
     Args:
         npu_graph: the :class:`Graph` to capture into.
@@ -190,7 +186,7 @@ class graph:
                  capture_error_mode: str = "global") -> None:
         if not isinstance(npu_graph, Graph):
             raise TypeError(f"graph() needs an npugraph_train.graphed.Graph, got {type(npu_graph).__name__}")
-        _check_capture_error_mode(capture_error_mode)
+        check_capture_error_mode(capture_error_mode, "graph")
         if auto_dispatch_capture and not npu_graph.backend.supports_update:
             raise NotImplementedError(f"auto_dispatch_capture=True on the {npu_graph.backend.name} backend: it "
                                       f"{NO_UPDATE}")

@@ -160,25 +160,33 @@ class DispatchRecord:
         return self.op_cache_entry(*self.args, **self.kwargs)
 
 
-def check_update(records: List[DispatchRecord], cpu_update_input: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
-    """The update of each record; errors for a wrong count and for keys no record can take (which
-    torch_npu would silently ignore, leaving the captured value in place)."""
+def _check_is_list_of_dicts(cpu_update_input: Any) -> None:
     if not isinstance(cpu_update_input, (list, tuple)) or not all(isinstance(d, dict) for d in cpu_update_input):
         raise TypeError("cpu_update_input must be a list of dicts, one per updatable op in capture order "
                         "(or a single dict in a list, for every op)")
+
+
+def _check_count(cpu_update_input: List[Dict[str, Any]], captured: int, ops: Optional[List[str]] = None) -> None:
+    if len(cpu_update_input) not in (1, captured):
+        named = f" ({', '.join(ops)})" if ops else ""
+        raise ValueError(f"cpu_update_input has {len(cpu_update_input)} entries but the graph captured {captured} "
+                         f"updatable ops{named}; pass one dict per op in capture order, or a one-dict list for all")
+
+
+def check_update(records: List[DispatchRecord], cpu_update_input: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
+    """The update of each record; errors for a wrong count and for keys no record can take (which
+    torch_npu would silently ignore, leaving the captured value in place)."""
+    _check_is_list_of_dicts(cpu_update_input)
     if not records:
         raise ValueError("the graph captured no updatable op (none with a registered handler ran during a capture "
                          "with auto_dispatch_capture=True), so there is nothing to update; replay without update()")
+    _check_count(cpu_update_input, len(records))
     if len(cpu_update_input) == 1:
         inputs = list(cpu_update_input) * len(records)
         unknown = set(cpu_update_input[0]) - set().union(*(r.updatable for r in records))
-    elif len(cpu_update_input) == len(records):
+    else:
         inputs = list(cpu_update_input)
         unknown = set().union(*(set(d) - r.updatable for d, r in zip(inputs, records)))
-    else:
-        raise ValueError(f"cpu_update_input has {len(cpu_update_input)} entries but the graph captured "
-                         f"{len(records)} updatable ops; pass one dict per op in capture order, or a one-dict list "
-                         "for all")
     if unknown:
         missing = set().union(*(r.missing for r in records)) & unknown
         hint = (f"; {', '.join(sorted(missing))} kept its default at capture, so the op never received it: pass "
@@ -200,14 +208,8 @@ def check_torch_npu_update(native_records: List[Any], cpu_update_input: List[Dic
         return
     # torch_npu builds before its handler registry (2.8.x) compared the record count with itself and zipped
     # the lists: the records past the list's end were never updated, and a replay waits forever for their events.
-    if not isinstance(cpu_update_input, (list, tuple)) or not all(isinstance(d, dict) for d in cpu_update_input):
-        raise TypeError("cpu_update_input must be a list of dicts, one per updatable op in capture order "
-                        "(or a single dict in a list, for every op)")
-    if len(cpu_update_input) not in (1, len(native_records)):
-        ops = ", ".join(r.op_cache_entry.__name__ for r in native_records)
-        raise ValueError(f"cpu_update_input has {len(cpu_update_input)} entries but the graph captured "
-                         f"{len(native_records)} updatable ops ({ops}); pass one dict per op in capture order, or a "
-                         "one-dict list for all")
+    _check_is_list_of_dicts(cpu_update_input)
+    _check_count(cpu_update_input, len(native_records), [r.op_cache_entry.__name__ for r in native_records])
 
 
 def apply_update(records: List[DispatchRecord], cpu_update_input: List[Dict[str, Any]]) -> None:

@@ -16,11 +16,12 @@ A class mark applies to instances of exactly that class, not to subclasses, whic
 """
 from __future__ import annotations
 
-import difflib
 from dataclasses import dataclass, fields, replace
 from typing import Any, Callable, List, Optional, Tuple, TypeVar, overload
 
 import torch.nn as nn
+
+from .errors import unknown_names
 
 _ATTR = "__npugraph_safe__"
 T = TypeVar("T")
@@ -64,9 +65,8 @@ def graph_safe(obj: Any = None, **options: Any) -> Any:
     valid = [f.name for f in fields(GraphSafeOptions)]
     unknown = [name for name in options if name not in valid]
     if unknown:
-        hints = [f"{name!r} (did you mean {close[0]!r}?)" if close else repr(name)
-                 for name, close in ((n, difflib.get_close_matches(n, valid, n=1)) for n in unknown)]
-        raise TypeError(f"graph_safe got unknown options {', '.join(hints)}; valid options: {', '.join(valid)}")
+        raise TypeError(f"graph_safe got unknown options {unknown_names(unknown, valid)}; valid options: "
+                        f"{', '.join(valid)}")
     opts = GraphSafeOptions(**options)
 
     def mark(target: Any) -> Any:

@@ -12,7 +12,7 @@ import functools
 import itertools
 import types
 import weakref
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -32,6 +32,11 @@ def recomputed_by_hooks(module: torch.nn.Module) -> set:
 def attribute_path(path: str, attr: str) -> str:
     """``encoder.cache``: an attribute's name as the user knows it (``path`` is its module's, "" for the root)."""
     return f"{path}.{attr}" if path else attr
+
+
+def columns(rows: Iterable[Sequence[Any]], width: int) -> Tuple[List[Any], ...]:
+    """Rows of ``width`` values as ``width`` lists, one per column (empty lists where there are no rows)."""
+    return tuple(map(list, zip(*rows))) or tuple([] for _ in range(width))
 
 
 def tensors_in(value: Any) -> List[torch.Tensor]:

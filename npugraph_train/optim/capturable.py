@@ -32,7 +32,7 @@ import functools
 import importlib
 import struct
 import weakref
-from typing import Any, Dict, Iterator, List, Optional, SupportsIndex, Type
+from typing import Any, Dict, Iterator, List, SupportsIndex, Type
 
 import torch
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
@@ -314,7 +314,7 @@ def _scalar_dtype(params: List[torch.Tensor]) -> torch.dtype:
     return torch.float64 if params and all(p.dtype == torch.float64 for p in params) else torch.float32
 
 
-def make_capturable(optimizer: Any, device: Optional[torch.device] = None) -> Any:
+def make_capturable(optimizer: Any) -> Any:
     """Make ``optimizer.step()`` safe to capture, in place, keeping its state; returns the optimizer.
 
     Calling it again (e.g. after ``load_state_dict`` restored state on another device) moves learning
@@ -332,7 +332,7 @@ def make_capturable(optimizer: Any, device: Optional[torch.device] = None) -> An
         opt._plain_settings = plain
         _retarget_scheduler_wrapper(opt)
     for group in opt.param_groups:
-        target = device or (group["params"][0].device if group["params"] else torch.device("cpu"))
+        target = group["params"][0].device if group["params"] else torch.device("cpu")
         if isinstance(opt, _CAPTURABLE_FLAG):
             group["capturable"] = True
             group["foreach"] = True  # the single-tensor paths of some classes still read a tensor lr on the host

@@ -8,6 +8,13 @@ from typing import Any, ContextManager, Dict, List, Optional, Tuple
 import torch
 
 CAPTURE_ERROR_MODES = ("global", "thread_local", "relaxed")
+
+
+def check_capture_error_mode(mode: str, caller: str) -> None:
+    if mode not in CAPTURE_ERROR_MODES:
+        raise ValueError(f"{caller}: capture_error_mode={mode!r}; choose one of {', '.join(CAPTURE_ERROR_MODES)}")
+
+
 NO_UPDATE = ("needs torch_npu's graph update mechanism; re-capture one graph per host value, or pass the values "
              "as device tensors")
 

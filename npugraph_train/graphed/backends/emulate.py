@@ -282,7 +282,7 @@ class _HostReadGuard(TorchFunctionMode):
         super().__init__()
         self._made_on_host: Dict[int, Any] = {}  # id: weak reference, of the tensors the capture made on the host
 
-    def __torch_function__(self, func: Callable, types: Any, args: tuple = (), kwargs: Optional[dict] = None):
+    def __torch_function__(self, func: Callable, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
         kwargs = kwargs or {}
         if func in _HOST_READ_METHODS:
             what = "printing a tensor" if func.__name__.startswith("__") else f"Tensor.{func.__name__}()"
@@ -385,7 +385,7 @@ class _Recorder(TorchDispatchMode):
         super().__init__()
         self.graph = graph
 
-    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None):
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
         kwargs = kwargs or {}
         if func is torch.ops.aten._local_scalar_dense.default:
             raise _capture_error(f"reading a tensor's value on the host (.item(), int()/float()/bool() of a tensor, "
