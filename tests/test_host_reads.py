@@ -76,3 +76,32 @@ def test_replayed_steps_read_nothing_on_the_host(backend, mode):
     assert watch.watched == 18 and replays >= 18
     assert not watch.reads.seen, f"host reads in {watch.watched} replayed steps: {dict(watch.reads.seen)}"
     assert not syncs, f"synchronising CUDA calls in {watch.watched} replayed steps, by caller: {dict(syncs)}"
+
+
+class _LogsToProgressBar(Regressor):
+    def __init__(self, on_step: bool):
+        super().__init__()
+        self.on_step = on_step
+
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        self.log("loss", loss, prog_bar=True, on_step=self.on_step, on_epoch=not self.on_step)
+        return loss
+
+
+@pytest.mark.parametrize("mode", ["whole_step", "submodules"])
+@pytest.mark.parametrize("on_step", [True, False])
+def test_values_logged_to_the_progress_bar_every_step_are_warned_once(mode, on_step):
+    torch.manual_seed(0)
+    graphs = ngt.NPUGraphCallback(mode=mode, warmup_steps=2)
+    watch = _WatchSteps(start=4, cuda=False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer([watch, graphs], max_steps=8, limit_val_batches=0).fit(_LogsToProgressBar(on_step), loaders(n=64)[0])
+    warned = [str(w.message) for w in caught if "prog_bar=True" in str(w.message)]
+    reads = sum(watch.reads.seen.values())
+    if on_step:  # what the warning says: Lightning reads the value on the host after every replayed step
+        assert len(warned) == 1 and "'loss' is logged with prog_bar=True on every step" in warned[0], warned
+        assert reads == watch.watched == 4, dict(watch.reads.seen)
+    else:
+        assert warned == [] and reads < watch.watched, (warned, dict(watch.reads.seen))  # at the epoch's end

@@ -57,8 +57,19 @@ def _describe_leaf(k: Any) -> str:
 
 
 def describe(key: BatchKey) -> str:
-    """``(float32[8, 4], float32[8, 1])``: the leaves of a batch key, as the capture report shows them."""
-    return "(" + ", ".join(_describe_leaf(k) for k in key[1]) + ")"
+    """``(float32[8, 4], float32[8, 1])``: the leaves of a batch key, as the capture report shows them. More than
+    three non-tensor values in a row (a batch's sample ids) show as the first two and their count."""
+    parts: List[str] = []
+    run: List[str] = []
+    for k in key[1] + (None,):
+        if k is not None and k[0] in ("value", "object"):
+            run.append(_describe_leaf(k))
+            continue
+        parts += run if len(run) <= 3 else run[:2] + [f"... ({len(run)} values)"]
+        run = []
+        if k is not None:
+            parts.append(_describe_leaf(k))
+    return "(" + ", ".join(parts) + ")"
 
 
 def values_differ(key: BatchKey, other: BatchKey) -> bool:

@@ -39,7 +39,7 @@ from ..config import NPUGraphConfig, unknown_settings_error
 from ..graphed.backends import backend_for_device
 from ..optim import make_capturable, plain_scheduler_state
 from .report import NOT_CAPTURED, format_report
-from .step_logs import monitor_plain_lrs
+from .step_logs import monitor_plain_lrs, progress_bar_step_values
 from .step_setup import check_trainer
 from .submodules import SubmoduleGrapher
 from .whole_step import UPDATE_HOOK, WholeStepGrapher
@@ -181,9 +181,21 @@ class NPUGraphCallback(Callback):
 
     def on_train_batch_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", outputs: Any,
                            batch: Any, batch_idx: int) -> None:
+        if self._step == self.config.warmup_steps - 1 and (self._grapher is not None or self._whole is not None):
+            self._warn_progress_bar_reads(trainer)
         self._step += 1
         if self._grapher is not None:
             self._grapher.stop_recording(step_ended=True)
+
+    def _warn_progress_bar_reads(self, trainer: "pl.Trainer") -> None:
+        names = progress_bar_step_values(trainer)
+        if names:
+            shown = ", ".join(map(repr, names))
+            rank_zero_warn(f"NPUGraphCallback: {shown} {'is' if len(names) == 1 else 'are'} logged with prog_bar=True "
+                           "on every step; Lightning reads such values on the host after each batch (also with the "
+                           "progress bar off), which on a device waits for the step's graphs and takes away the "
+                           "host/device overlap they buy. Log them without prog_bar (loggers read every "
+                           "log_every_n_steps), or with on_step=False, on_epoch=True")
 
     def on_train_epoch_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         if self._grapher is not None:  # a skipped recording step (on_train_batch_start returned -1) left hooks on

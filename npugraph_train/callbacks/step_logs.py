@@ -77,6 +77,17 @@ class StepLogRecorder:
             module._current_fx_name = previous
 
 
+def progress_bar_step_values(trainer: "pl.Trainer") -> List[str]:
+    """Names of the values logged so far with ``prog_bar=True`` and ``on_step=True``: after every batch Lightning
+    turns them into Python numbers for the progress bar (``_ResultCollection.metrics``, also with the bar off),
+    a host read that waits for the step's device work."""
+    results = getattr(trainer, "_results", None)
+    if results is None:
+        return []
+    return sorted({metric.meta.name for _, metric in results.valid_items()
+                   if metric.meta.prog_bar and metric.meta.on_step})
+
+
 def monitor_plain_lrs(trainer: "pl.Trainer") -> Callable[[], None]:
     """Make each LearningRateMonitor see learning rates as floats; returns the undo.
 

@@ -184,7 +184,7 @@ class GraphedCallable:
 
     def __init__(self, func: Callable, name: str, backend: Backend, num_warmup_iters: int,
                  allow_unused_input: bool, max_signatures: int, capture_error_mode: str,
-                 auto_dispatch_capture: bool = False) -> None:
+                 auto_dispatch_capture: bool = False, warned: Optional[set] = None) -> None:
         self.func = func
         self.name = name
         self.backend = backend
@@ -227,7 +227,10 @@ class GraphedCallable:
         self.stats: Dict[Signature, SignatureStats] = {}
         self.eager_calls: Counter = Counter()
         self._released = False
-        self._warned: set = set()  # kinds of eager reasons and recaptures warned about
+        # Kinds of eager reasons and recaptures warned about, shared by the callables graphed together: a short
+        # last batch runs each of 24 graphed layers eager, and one warning says it.
+        self._warned: set = set() if warned is None else warned
+        self._warned_with = "" if warned is None else " (of it and of the callables graphed with it)"
         self._dropped_in_a_row = 0  # see _drop_signatures
         self.unsettled: Optional[str] = None  # why its calls run eager for good, if they do
 
@@ -473,7 +476,7 @@ class GraphedCallable:
         # reason (signatures differ call by call: one warning for all that max_signatures leaves out).
         if reason != _MODE_DIFFERS:
             self._warn_once(kind or reason, f"npugraph_train: {self.name} ran eager: {reason}. Later eager calls for "
-                            "this reason are only counted (graphed_state(...).report())")
+                            f"this reason{self._warned_with} are only counted (graphed_state(...).report())")
         self.eager_calls[reason] += 1
         before, bound = self.module_settings.read(), self._bound_now()
         out = self.call_original(*args, **kwargs)
@@ -485,7 +488,7 @@ class GraphedCallable:
 
     def _warn_recapture(self, what: str) -> None:
         self._warn_once("recapture", f"npugraph_train: {self.name}: {what}; its graphs are captured again for the "
-                        "new setting (later recaptures are only counted in the report)")
+                        f"new setting (later recaptures{self._warned_with} are only counted in the report)")
 
     def _warn_once(self, kind: str, message: str) -> None:
         if kind not in self._warned:
@@ -681,13 +684,14 @@ def make_graphed_callables(
     batch = next(batch_ids)
 
     sigs, key_of, states = [], {}, []
+    warned: Optional[set] = set() if len(funcs) > 1 else None
     for index, (func, args, kwargs, limit, name) in enumerate(zip(funcs, args_list, kwargs_list, limits, names)):
         if not isinstance(args, tuple):
             raise TypeError(f"{name}: sample_args must be a tuple of tensors (got {type(args).__name__})")
         flat, spec = flatten_call(args, kwargs)
         _check_callable(func, name, args, kwargs, chosen)
         state = GraphedCallable(func, name, chosen, num_warmup_iters, allow_unused_input, limit, capture_error_mode,
-                                auto_dispatch_capture)
+                                auto_dispatch_capture, warned)
         sig = CapturedSignature(state, static_copies(flat), spec, pool, (batch, index))
         key_of[id(sig)] = signature(spec, flat, chosen, state.param_flags)
         sigs.append(sig)
