@@ -1,9 +1,12 @@
+import argparse
 import copy
+import dataclasses
 import functools
 import io
 import itertools
 import random
 import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -978,17 +981,25 @@ class TestUserPatterns:
     @pytest.mark.parametrize("change, message", [("freeze_bn", "1.track_running_stats changed from True to False"),
                                                  ("eval_bn", "1.training changed from True to False"),
                                                  ("dropout_p", "3.p changed from 0.5 to 0.0"),
-                                                 ("function", "2.fn changed from tanh to sigmoid")])
+                                                 ("function", "2.fn changed from tanh to sigmoid"),
+                                                 ("config", "2.cfg.scale changed from 1.0 to 0.5"),
+                                                 ("nested_config", "2.cfg.inner.shift changed from 0.0 to 0.5"),
+                                                 ("config_rebound", "2.cfg.scale changed from 1.0 to 0.5")])
     def test_submodule_settings_changed_after_capture_capture_again(self, change, message):
         # BaseFinetuning.freeze(train_bn=False) stops BatchNorm statistics; a frozen backbone's BN in eval; a
-        # dropout schedule; an activation swapped, as the function a module calls
+        # dropout schedule; an activation swapped, as the function a module calls; a config object's field
+        @dataclasses.dataclass
+        class Config:
+            scale: float = 1.0
+            inner: argparse.Namespace = dataclasses.field(default_factory=lambda: argparse.Namespace(shift=0.0))
+
         class Activation(nn.Module):
             def __init__(self):
                 super().__init__()
-                self.fn = torch.tanh
+                self.fn, self.cfg = torch.tanh, Config()
 
             def forward(self, x):
-                return self.fn(x)
+                return self.fn(x) * self.cfg.scale + self.cfg.inner.shift
 
         def train(graphed):
             torch.manual_seed(0)
@@ -1004,6 +1015,12 @@ class TestUserPatterns:
                     model[1].eval()
                 elif step == 2 and change == "function":
                     model[2].fn = torch.sigmoid
+                elif step == 2 and change == "config":
+                    model[2].cfg.scale = 0.5
+                elif step == 2 and change == "nested_config":
+                    model[2].cfg.inner.shift = 0.5
+                elif step == 2 and change == "config_rebound":
+                    model[2].cfg = Config(scale=0.5)
                 elif step == 2:
                     model[3].p = 0.0
                 model(torch.randn(3, 4, requires_grad=True)).sum().backward()
@@ -1015,6 +1032,23 @@ class TestUserPatterns:
         _assert_same_state(eager, graphed)
         signatures = ng.graphed_state(graphed).report()["signatures"]
         assert sum(s["replays"] for s in signatures) == 4 and sum(s["captures"] for s in signatures) == 2
+
+    def test_a_config_object_rebound_is_watched_in_its_new_place(self):
+        class Scaled(nn.Linear):
+            def forward(self, x):
+                return super().forward(x) * self.cfg.scale
+
+        model = Scaled(4, 4)
+        model.cfg = types.SimpleNamespace(scale=1.0)
+        ng.make_graphed_callables(model, (torch.zeros(3, 4),))
+        model.cfg = types.SimpleNamespace(scale=1.0)  # an equal config: the graphs serve it
+        x = torch.randn(3, 4)
+        model(x).sum().backward()
+        model.cfg.scale = 2.0  # the new object's field: seen
+        with pytest.warns(RuntimeWarning, match="cfg.scale changed from 1.0 to 2.0"):
+            out = model(x)
+        assert torch.equal(out, nn.Linear.forward(model, x) * 2.0)
+        assert [s["captures"] for s in ng.graphed_state(model).report()["signatures"]] == [2]
 
     def test_a_later_signature_that_fails_to_capture_runs_eager(self):
         class ReadsSmallBatches(nn.Module):

@@ -1,4 +1,5 @@
 import copy
+import dataclasses
 import linecache
 import pickle
 import re
@@ -728,13 +729,19 @@ _HPARAMS_READS = {
     "copy": lambda hp: hp.copy()["beta"], "pickled": lambda hp: pickle.loads(pickle.dumps(hp)).beta,
     "missing": lambda hp: hp.get("gamma", 1.0), "default": lambda hp: hp.get("beta", 2.0),
     "nested": lambda hp: hp.loss["beta"], "list": lambda hp: hp.weights[0], "none": lambda hp: hp.extra or 1.0,
-    "tensor": lambda hp: hp.scale}
+    "tensor": lambda hp: hp.scale, "config": lambda hp: hp.cfg.beta}
+
+
+@dataclasses.dataclass
+class LossConfig:
+    beta: float = 1.0
 
 
 class FromHparams(Scheduled):
     """Reads its loss weight from self.hparams (save_hyperparameters) in one of several ways."""
 
-    def __init__(self, read="attribute", beta=1.0, loss=None, weights=None, scale=None, extra=None, seen=0):
+    def __init__(self, read="attribute", beta=1.0, loss=None, weights=None, scale=None, extra=None, seen=0,
+                 cfg=None):
         super().__init__(optimizer="adamw")
         self.save_hyperparameters()
 
@@ -747,7 +754,8 @@ _HPARAMS_CHANGES = {  # at each epoch's start (epoch 1 on where the value starts
     "beta": lambda hp, v: setattr(hp, "beta", v), "gamma": lambda hp, v: setattr(hp, "gamma", v),
     "loss.beta": lambda hp, v: hp.loss.__setitem__("beta", v), "loss": lambda hp, v: setattr(hp, "loss", {"beta": v}),
     "weights": lambda hp, v: hp.weights.__setitem__(0, v), "scale": lambda hp, v: setattr(hp, "scale", torch.tensor(v)),
-    "extra": lambda hp, v: setattr(hp, "extra", v), "deleted": lambda hp, v: hp.pop("beta", None)}
+    "extra": lambda hp, v: setattr(hp, "extra", v), "deleted": lambda hp, v: hp.pop("beta", None),
+    "cfg.beta": lambda hp, v: setattr(hp.cfg, "beta", v)}
 
 
 class AnnealHparams(Callback):
@@ -774,10 +782,12 @@ class AnnealHparams(Callback):
     ("list", "weights", "hparams.weights changed from [1.0] to [1.5]"),
     ("none", "extra", "hparams.extra changed from None to 1.5"),
     ("tensor", "scale", "the tensor in hparams.scale was replaced"),
+    ("config", "cfg.beta", "hparams.cfg.beta changed from 1.0 to 1.5"),  # a dataclass's field, set in place
 ])
 def test_hparams_the_step_read_changed_between_steps_capture_again(read, change, message):
     eager, graphed, row = _eager_and_graphed(
-        lambda: FromHparams(read, loss={"beta": 1.0}, weights=[1.0], scale=torch.tensor(1.0)), AnnealHparams(change),
+        lambda: FromHparams(read, loss={"beta": 1.0}, weights=[1.0], scale=torch.tensor(1.0), cfg=LossConfig()),
+        AnnealHparams(change),
         rf"{re.escape(message)}.* after the training step was captured; it is captured again")
     assert row["captures"] == (2 if change == "deleted" else 4) and row["replays"] > 15, row
     assert _same(eager, graphed)
@@ -794,12 +804,13 @@ class ReadsAttributes(Scheduled):
         self.criterion, self.weights = nn.functional.mse_loss, [1.0]
         self.table = {f"k{i}": [1.0] * 4 for i in range(30)}  # 150 entries in all
         self.blocks[0].extra = None  # a submodule's attribute, where a module may go later
+        self.cfg = types.SimpleNamespace(scale=1.0, loss=LossConfig())  # a config object, changed in place
 
     def training_step(self, batch, batch_idx):
         x, y = batch
         out = self(x)
         loss = self.loss_fn(out, y) * (1.0 if self.weight is None else self.weight) * self.weights[0]
-        loss = loss * self.table["k29"][0]
+        loss = loss * self.table["k29"][0] * self.cfg.scale * self.cfg.loss.beta
         if self.blocks[0].extra is not None:
             loss = loss + self.blocks[0].extra(out).sum()
         loss = loss + self.criterion(out, y)
@@ -815,7 +826,9 @@ _ATTRIBUTE_CHANGES = {
     "weights": lambda m: m.weights.__setitem__(0, 2.0),
     "dropout": lambda m: setattr(m.blocks[0], "drop", nn.Dropout(0.0)),  # a submodule's submodule
     "table": lambda m: m.table["k29"].__setitem__(0, 2.0),  # past 100 entries
-    "extra": lambda m: setattr(m.blocks[0], "extra", nn.Linear(1, 1))}
+    "extra": lambda m: setattr(m.blocks[0], "extra", nn.Linear(1, 1)),
+    "cfg": lambda m: setattr(m.cfg, "scale", 2.0), "cfg.loss": lambda m: setattr(m.cfg.loss, "beta", 2.0),
+    "cfg rebound": lambda m: setattr(m, "cfg", types.SimpleNamespace(scale=1.0, loss=LossConfig(beta=2.0)))}
 
 
 class ChangesAttribute(Callback):
@@ -837,7 +850,10 @@ class ChangesAttribute(Callback):
                                                        "by identity: make it once\)"),
                                            ("table", r"table.k29 changed from \[1.0, 1.0, 1.0, 1.0\] to \[2.0, 1.0, "
                                                      r"1.0, 1.0\]"),
-                                           ("extra", r"a submodule was added where there was none \(.*\)")])
+                                           ("extra", r"a submodule was added where there was none \(.*\)"),
+                                           ("cfg", "cfg.scale changed from 1.0 to 2.0"),
+                                           ("cfg.loss", "cfg.loss.beta changed from 1.0 to 2.0"),
+                                           ("cfg rebound", "cfg.loss.beta changed from 1.0 to 2.0")])
 def test_attributes_the_step_read_capture_again_when_replaced_or_set(name, message):
     eager, graphed, row = _eager_and_graphed(ReadsAttributes, ChangesAttribute(name),
                                              f"{message} after the training step was captured", max_steps=24)

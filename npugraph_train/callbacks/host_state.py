@@ -26,7 +26,8 @@ import lightning.pytorch as pl
 import torch
 
 from ..graphed.host_random import HostRandom
-from ..graphed.state_attributes import MODULE_INTERNALS, SCALAR_TYPES, attribute_path, scalar_changed, tensors_in
+from ..graphed.state_attributes import (MODULE_INTERNALS, SCALAR_TYPES, attribute_path, is_config, scalar_changed,
+                                       tensors_in)
 
 _NOT_STATE = MODULE_INTERNALS | {"training"}
 UNSET = object()  # a key or attribute not set
@@ -183,11 +184,26 @@ class _ByIdentity:
     __hash__ = None  # type: ignore[assignment]
 
 
+class _Fields:
+    """A config object's fields in a snapshot (:func:`~npugraph_train.graphed.state_attributes.is_config`: they
+    change in place, ``cfg.beta = 0.5``): equal to another of the same class with equal fields."""
+
+    __slots__ = ("cls", "fields")
+
+    def __init__(self, cls: type, fields: Dict[str, Any]) -> None:
+        self.cls, self.fields = cls, fields
+
+    def __eq__(self, other: object) -> bool:
+        return type(other) is _Fields and other.cls is self.cls and not scalar_changed(self.fields, other.fields)
+
+    __hash__ = None  # type: ignore[assignment]
+
+
 def snapshot(value: Any) -> Any:
-    """A value that a captured step read, kept to compare before each replay (:func:`value_change`): lists, tuples
-    and dicts copied, as they change in place (1000 entries in all, 4 levels deep; containers beyond that compare
-    by identity), tensors and modules by identity, anything else itself (numbers and strings compare by value,
-    other objects as their ``==`` does, by identity unless they define it)."""
+    """A value that a captured step read, kept to compare before each replay (:func:`value_change`): lists, tuples,
+    dicts and the fields of config objects copied, as they change in place (1000 entries in all, 4 levels deep;
+    containers beyond that compare by identity), tensors and modules by identity, anything else itself (numbers
+    and strings compare by value, other objects as their ``==`` does, by identity unless they define it)."""
     return _copied(value, 0, [_COMPARED])
 
 
@@ -196,11 +212,15 @@ def _copied(value: Any, depth: int, budget: List[int]) -> Any:
         return value
     if isinstance(value, (torch.Tensor, torch.nn.Module)):
         return _ByIdentity(value)
-    if not (type(value) in (list, tuple) or isinstance(value, dict)):
+    config = is_config(value)
+    if not (config or type(value) in (list, tuple) or isinstance(value, dict)):
         return value
-    if depth >= 4 or len(value) > budget[0]:
+    entries = vars(value) if config else value
+    if depth >= 4 or len(entries) > budget[0]:
         return _ByIdentity(value)
-    budget[0] -= len(value)
+    budget[0] -= len(entries)
+    if config:
+        return _Fields(type(value), {k: _copied(v, depth + 1, budget) for k, v in entries.items()})
     if isinstance(value, dict):
         return {k: _copied(v, depth + 1, budget) for k, v in dict.items(value)}
     return type(value)(_copied(v, depth + 1, budget) for v in value)
@@ -214,7 +234,11 @@ def value_change(name: str, before: Any, now: Any) -> Optional[str]:
     changed from 1.0 to 1.5`` (the innermost entry of a dict), ``teacher changed from None to Linear``."""
     if not scalar_changed(before, now):
         return None
-    while isinstance(before, dict) and isinstance(now, dict) and before.keys() == now.keys():
+    while True:  # down to the innermost entry or field that changed
+        if type(before) is type(now) is _Fields and before.cls is now.cls:
+            before, now = before.fields, now.fields
+        if not (isinstance(before, dict) and isinstance(now, dict) and before.keys() == now.keys()):
+            break
         key = next(k for k in before if scalar_changed(before[k], now[k]))
         name, before, now = f"{name}.{key}" if isinstance(key, str) else f"{name}[{key!r}]", before[key], now[key]
     identity = type(now) is _ByIdentity
@@ -223,7 +247,8 @@ def value_change(name: str, before: Any, now: Any) -> Optional[str]:
         return (f"the tensor in {name} was replaced ({name} = ...; fill it in place, {name}.copy_(...) or "
                 ".fill_(...), to keep the graph)")
     # (a function or class by its name: criterion changed from mse_loss to l1_loss)
-    old, new = (getattr(v, "__name__", None) or short_value(v) for v in (before, now))
+    old, new = (getattr(v, "__name__", None) or (v.cls.__name__ if type(v) is _Fields else short_value(v))
+                for v in (before, now))
     if old != new:
         return f"{name} changed from {old} to {new}"
     if identity or type(now).__eq__ is object.__eq__:

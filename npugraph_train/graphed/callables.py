@@ -57,8 +57,8 @@ from .captured import (CapturedSignature, SignatureStats, batch_ids, capture_sig
 from .errors import GraphCaptureError, GraphStateError
 from .signatures import (Signature, describe_signature, difference_hint, flatten_call, is_constant, serves, signature,
                          static_copies, within)
-from .state_attributes import (MODULE_INTERNALS, SCALAR_TYPES, adopted, attribute_path, columns, is_setting,
-                               recomputed_by_hooks, scalar_changed)
+from .state_attributes import (MODULE_INTERNALS, SCALAR_TYPES, adopted, attribute_path, columns, is_config,
+                               is_setting, recomputed_by_hooks, scalar_changed)
 from .user_code import warn_at_user_code
 
 # A module's hook dicts; hooks inside a graphed module would run once, at capture.
@@ -70,6 +70,22 @@ RECAPTURES_BEFORE_EAGER = 3
 
 
 _requires_grad = operator.attrgetter("requires_grad")
+
+
+def _config_fields(label: str, holder: dict, key: str, slots: List[Tuple[str, dict, str]],
+                   holders: List[Tuple[dict, str, Any]], seen: set, depth: int = 0) -> None:
+    """Add the settings among the fields of the config object ``holder[key]`` (nested ones too, 4 levels)."""
+    config = holder[key]
+    holders.append((holder, key, config))
+    if id(config) in seen or depth >= 4:
+        return
+    seen.add(id(config))
+    fields = vars(config)
+    for name, value in fields.items():
+        if is_setting(name, value):
+            slots.append((f"{label}.{name}", fields, name))
+        elif is_config(value):
+            _config_fields(f"{label}.{name}", fields, name, slots, holders, seen, depth + 1)
 
 
 def _made_alike(a: Any, b: Any) -> bool:
@@ -95,7 +111,7 @@ class ModuleSettings:
     """The Python settings of a module and its submodules that its graphs bake in: train/eval (dropout,
     BatchNorm), a Dropout's ``p``, how BatchNorms track statistics (finetuning callbacks freeze them; SWA sets
     momentum=None): every attribute holding a bool, int, float, str or function (an activation) when the module
-    is graphed."""
+    is graphed, and the fields of the config objects it holds (:func:`is_config`: ``self.cfg.residual_scale``)."""
 
     def __init__(self, module: Optional[nn.Module],
                  keep: Optional[Callable[[str, nn.Module, str], bool]] = None) -> None:
@@ -105,13 +121,24 @@ class ModuleSettings:
 
     def find(self) -> None:
         """Look for the settings again (the first call of a forward may create some)."""
-        slots = [(attribute_path(path, key), m.__dict__, key)
-                 for path, m in (self.module.named_modules() if self.module is not None else ())
-                 for key, value in m.__dict__.items() if is_setting(key, value) and key not in MODULE_INTERNALS
-                 and (self.keep is None or self.keep(path, m, key))]
+        slots: List[Tuple[str, dict, str]] = []
+        holders: List[Tuple[dict, str, Any]] = []  # where config objects are held: one rebound is looked into anew
+        seen: set = set()  # config objects already looked into (one shared by every layer is read once)
+        for path, m in (self.module.named_modules() if self.module is not None else ()):
+            for key, value in m.__dict__.items():
+                setting = is_setting(key, value)
+                if (setting or is_config(value)) and key not in MODULE_INTERNALS and (
+                        self.keep is None or self.keep(path, m, key)):
+                    if setting:
+                        slots.append((attribute_path(path, key), m.__dict__, key))
+                    else:
+                        _config_fields(attribute_path(path, key), m.__dict__, key, slots, holders, seen)
         self._names, self._dicts, self._keys = columns(slots, 3)
+        self._holder_dicts, self._holder_keys, self._holders = columns(holders, 3)
 
     def read(self) -> tuple:
+        if self._holders and not slots_hold(self._holder_dicts, self._holder_keys, self._holders):
+            self.find()  # a config object rebound (or removed): its fields are those of the new one
         try:
             return tuple(map(dict.__getitem__, self._dicts, self._keys))
         except KeyError:  # a setting deleted: from now on, the settings there are

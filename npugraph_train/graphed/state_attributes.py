@@ -8,6 +8,7 @@ graphed callables (a module's forward) and the whole-step capture (``training_st
 """
 from __future__ import annotations
 
+import argparse
 import functools
 import itertools
 import types
@@ -58,6 +59,16 @@ def is_setting(name: str, value: Any) -> bool:
     """Whether a module attribute is a setting its graphs bake in: a number, flag, string or function (an
     instance's own ``forward`` is not: it is the graphed one, or a wrapper's)."""
     return type(value) in SCALAR_TYPES or (type(value) in _FUNCTION_TYPES and name != "forward")
+
+
+def is_config(value: Any) -> bool:
+    """Whether an attribute holds a config object whose fields are settings too (``self.cfg.residual_scale``): a
+    dataclass that is not frozen, a ``SimpleNamespace`` or an ``argparse.Namespace``. Other objects (a
+    DictConfig, a library's config class) are not looked into."""
+    if isinstance(value, (types.SimpleNamespace, argparse.Namespace)):
+        return True
+    params = getattr(type(value), "__dataclass_params__", None)
+    return params is not None and not params.frozen and hasattr(value, "__dict__") and not isinstance(value, type)
 
 def _accepted(holders: Callable[[Any], bool], value: Any) -> bool:
     try:
