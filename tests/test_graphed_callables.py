@@ -7,6 +7,7 @@ import itertools
 import random
 import sys
 import types
+import warnings
 from pathlib import Path
 
 import pytest
@@ -1033,7 +1034,47 @@ class TestUserPatterns:
         signatures = ng.graphed_state(graphed).report()["signatures"]
         assert sum(s["replays"] for s in signatures) == 4 and sum(s["captures"] for s in signatures) == 2
 
-    def test_a_config_object_rebound_is_watched_in_its_new_place(self):
+    @pytest.mark.parametrize("kind", ["namespace", "slots", "frozen"])
+    def test_a_config_object_rebound_is_watched_in_its_new_place(self, kind):
+        @dataclasses.dataclass(slots=True)
+        class Slots:
+            scale: float = 1.0
+
+        @dataclasses.dataclass(frozen=True)
+        class Frozen:
+            scale: float = 1.0
+
+        make = {"namespace": types.SimpleNamespace, "slots": Slots, "frozen": Frozen}[kind]
+
+        class Scaled(nn.Linear):
+            def forward(self, x):
+                return super().forward(x) * (1.0 if self.cfg is None else self.cfg.scale)
+
+        model = Scaled(4, 4)
+        model.cfg = make(scale=1.0)
+        ng.make_graphed_callables(model, (torch.zeros(3, 4),))
+        x = torch.randn(3, 4)
+
+        def captures_after(change, scale):
+            change()
+            for _ in range(2):  # (graphs dropped after a single replay, three times in a row, would go eager)
+                out = model(x)
+                out.sum().backward()
+                assert torch.equal(out, nn.Linear.forward(model, x) * scale)
+            state = ng.graphed_state(model)
+            assert not state.eager_calls
+            return sum(s["captures"] for s in state.report()["signatures"])
+
+        assert captures_after(lambda: setattr(model, "cfg", make(scale=1.0)), 1.0) == 1  # equal: the graphs serve
+        if kind != "frozen":
+            with pytest.warns(RuntimeWarning, match="cfg.scale changed from 1.0 to 2.0"):
+                assert captures_after(lambda: setattr(model.cfg, "scale", 2.0), 2.0) == 2  # the new object's field
+        else:
+            assert captures_after(lambda: setattr(model, "cfg", make(scale=2.0)), 2.0) == 2
+        assert captures_after(lambda: setattr(model, "cfg", None), 1.0) == 3
+        assert captures_after(lambda: setattr(model, "cfg", make(scale=0.5)), 0.5) == 4  # where None was
+
+    def test_a_config_rebound_with_another_field_names_the_change(self):
         class Scaled(nn.Linear):
             def forward(self, x):
                 return super().forward(x) * self.cfg.scale
@@ -1041,14 +1082,24 @@ class TestUserPatterns:
         model = Scaled(4, 4)
         model.cfg = types.SimpleNamespace(scale=1.0)
         ng.make_graphed_callables(model, (torch.zeros(3, 4),))
-        model.cfg = types.SimpleNamespace(scale=1.0)  # an equal config: the graphs serve it
+        model.cfg = types.SimpleNamespace(scale=0.5, extra=2)
+        with pytest.warns(RuntimeWarning, match="Scaled: cfg.scale changed from 1.0 to 0.5; its graphs are captured"):
+            model(torch.randn(3, 4))
+
+    def test_callables_graphed_together_warn_once_per_kind_of_recapture(self):
+        first, second = nn.Linear(4, 4), nn.Linear(4, 4)
+        first.cfg = types.SimpleNamespace(scale=1.0)
+        ng.make_graphed_callables((first, second), ((torch.zeros(3, 4),), (torch.zeros(3, 4),)), names=["a", "b"])
         x = torch.randn(3, 4)
-        model(x).sum().backward()
-        model.cfg.scale = 2.0  # the new object's field: seen
-        with pytest.warns(RuntimeWarning, match="cfg.scale changed from 1.0 to 2.0"):
-            out = model(x)
-        assert torch.equal(out, nn.Linear.forward(model, x) * 2.0)
-        assert [s["captures"] for s in ng.graphed_state(model).report()["signatures"]] == [2]
+        first.cfg.scale, second.bias.data = 2.0, torch.zeros(4)  # a setting; a storage replaced
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            second(first(x)).sum().backward()
+            first.cfg.scale, second.bias.data = 3.0, torch.ones(4)  # the same kinds again: counted only
+            second(first(x)).sum().backward()
+        shown = sorted(str(w.message).split(";")[0] for w in caught)
+        assert shown == ["npugraph_train: a: cfg.scale changed from 1.0 to 2.0",
+                         "npugraph_train: b: a parameter's storage was replaced (p.data = ...)"], shown
 
     def test_a_later_signature_that_fails_to_capture_runs_eager(self):
         class ReadsSmallBatches(nn.Module):
@@ -1499,7 +1550,7 @@ class TestModuleState:
                           match=r"Scaled: the tensor in its attribute scale was replaced \(scale = \.\.\.\)"):
             step()
         with pytest.warns(RuntimeWarning, match=r"Scaled: a parameter's storage was replaced \(p.data = ...\); "):
-            ng.graphed_state(graphed)._warned.discard("recapture")
+            ng.graphed_state(graphed)._warned.discard("recapture:memory")
             step(lambda m: setattr(m.lin.weight, "data", nn.functional.normalize(m.lin.weight.data, dim=1)))
         step()
         assert sum(state.eager_calls.values()) == 2, "only the eval calls"
@@ -1708,7 +1759,7 @@ class TestModuleState:
         model[1].schedule_step = 0
         ng.make_graphed_callables(model, (torch.zeros(3, 4),))
         del model[1].schedule_step
-        with pytest.warns(RuntimeWarning, match="settings were deleted; its graphs are captured again"):
+        with pytest.warns(RuntimeWarning, match="1.schedule_step was removed; its graphs are captured again"):
             for _ in range(3):
                 model(torch.randn(3, 4))
         assert [s["captures"] for s in ng.graphed_state(model).report()["signatures"]] == [2]

@@ -755,7 +755,7 @@ _HPARAMS_CHANGES = {  # at each epoch's start (epoch 1 on where the value starts
     "loss.beta": lambda hp, v: hp.loss.__setitem__("beta", v), "loss": lambda hp, v: setattr(hp, "loss", {"beta": v}),
     "weights": lambda hp, v: hp.weights.__setitem__(0, v), "scale": lambda hp, v: setattr(hp, "scale", torch.tensor(v)),
     "extra": lambda hp, v: setattr(hp, "extra", v), "deleted": lambda hp, v: hp.pop("beta", None),
-    "cfg.beta": lambda hp, v: setattr(hp.cfg, "beta", v)}
+    "cfg.beta": lambda hp, v: setattr(hp.cfg, "beta", v), "cfg.gamma": lambda hp, v: setattr(hp.cfg, "gamma", v)}
 
 
 class AnnealHparams(Callback):
@@ -763,7 +763,7 @@ class AnnealHparams(Callback):
         self.change = change
 
     def on_train_epoch_start(self, trainer, pl_module):
-        if trainer.current_epoch or self.change not in ("gamma", "extra", "deleted"):
+        if trainer.current_epoch or self.change not in ("gamma", "extra", "deleted", "cfg.gamma"):
             _HPARAMS_CHANGES[self.change](pl_module.hparams, 1.0 + 0.5 * trainer.current_epoch)
 
 
@@ -783,6 +783,7 @@ class AnnealHparams(Callback):
     ("none", "extra", "hparams.extra changed from None to 1.5"),
     ("tensor", "scale", "the tensor in hparams.scale was replaced"),
     ("config", "cfg.beta", "hparams.cfg.beta changed from 1.0 to 1.5"),  # a dataclass's field, set in place
+    ("config", "cfg.gamma", "hparams.cfg.gamma changed from unset to 1.5"),  # a field added
 ])
 def test_hparams_the_step_read_changed_between_steps_capture_again(read, change, message):
     eager, graphed, row = _eager_and_graphed(

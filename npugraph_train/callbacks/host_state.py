@@ -26,8 +26,8 @@ import lightning.pytorch as pl
 import torch
 
 from ..graphed.host_random import HostRandom
-from ..graphed.state_attributes import (MODULE_INTERNALS, SCALAR_TYPES, attribute_path, is_config, scalar_changed,
-                                       tensors_in)
+from ..graphed.state_attributes import (MODULE_INTERNALS, SCALAR_TYPES, attribute_path, config_fields, is_config,
+                                       scalar_changed, tensors_in)
 
 _NOT_STATE = MODULE_INTERNALS | {"training"}
 UNSET = object()  # a key or attribute not set
@@ -215,7 +215,7 @@ def _copied(value: Any, depth: int, budget: List[int]) -> Any:
     config = is_config(value)
     if not (config or type(value) in (list, tuple) or isinstance(value, dict)):
         return value
-    entries = vars(value) if config else value
+    entries = config_fields(value) if config else value
     if depth >= 4 or len(entries) > budget[0]:
         return _ByIdentity(value)
     budget[0] -= len(entries)
@@ -237,10 +237,13 @@ def value_change(name: str, before: Any, now: Any) -> Optional[str]:
     while True:  # down to the innermost entry or field that changed
         if type(before) is type(now) is _Fields and before.cls is now.cls:
             before, now = before.fields, now.fields
-        if not (isinstance(before, dict) and isinstance(now, dict) and before.keys() == now.keys()):
+        if not (isinstance(before, dict) and isinstance(now, dict)):
             break
-        key = next(k for k in before if scalar_changed(before[k], now[k]))
-        name, before, now = f"{name}.{key}" if isinstance(key, str) else f"{name}[{key!r}]", before[key], now[key]
+        key = next((k for k in before if k in now and scalar_changed(before[k], now[k])), UNSET)
+        if key is UNSET:  # an entry or field added or removed
+            key = next(k for k in [*now, *before] if (k in now) != (k in before))
+        name = f"{name}.{key}" if isinstance(key, str) else f"{name}[{key!r}]"
+        before, now = before.get(key, UNSET), now.get(key, UNSET)
     identity = type(now) is _ByIdentity
     before, now = (v.obj if type(v) is _ByIdentity else v for v in (before, now))
     if isinstance(before, torch.Tensor) and isinstance(now, torch.Tensor):

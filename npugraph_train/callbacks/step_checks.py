@@ -30,7 +30,8 @@ from torch.optim.lr_scheduler import LRScheduler, ReduceLROnPlateau
 from torch.utils.hooks import RemovableHandle
 
 from ..graphed import GraphCaptureError
-from ..graphed.callables import GLOBAL_HOOK_KINDS, MODULE_HOOK_KINDS, ModuleSettings, slots_hold, submodule_slots
+from ..graphed.callables import GLOBAL_HOOK_KINDS, MODULE_HOOK_KINDS, slots_hold, submodule_slots
+from ..graphed.settings import ModuleSettings
 from ..graphed.state_attributes import SCALAR_TYPES, adopted, carried_state_message, columns
 from ..graphed.user_code import user_frame, user_source_line
 from .hparams import HparamsWatch

@@ -39,7 +39,6 @@ and safer than both:
 from __future__ import annotations
 
 import copy
-import functools
 import operator
 import types
 from collections import Counter
@@ -57,8 +56,8 @@ from .captured import (CapturedSignature, SignatureStats, batch_ids, capture_sig
 from .errors import GraphCaptureError, GraphStateError
 from .signatures import (Signature, describe_signature, difference_hint, flatten_call, is_constant, serves, signature,
                          static_copies, within)
-from .state_attributes import (MODULE_INTERNALS, SCALAR_TYPES, adopted, attribute_path, columns, is_config,
-                               is_setting, recomputed_by_hooks, scalar_changed)
+from .settings import ModuleSettings
+from .state_attributes import adopted, attribute_path, columns, recomputed_by_hooks
 from .user_code import warn_at_user_code
 
 # A module's hook dicts; hooks inside a graphed module would run once, at capture.
@@ -70,120 +69,6 @@ RECAPTURES_BEFORE_EAGER = 3
 
 
 _requires_grad = operator.attrgetter("requires_grad")
-
-
-def _config_fields(label: str, holder: dict, key: str, slots: List[Tuple[str, dict, str]],
-                   holders: List[Tuple[dict, str, Any]], seen: set, depth: int = 0) -> None:
-    """Add the settings among the fields of the config object ``holder[key]`` (nested ones too, 4 levels)."""
-    config = holder[key]
-    holders.append((holder, key, config))
-    if id(config) in seen or depth >= 4:
-        return
-    seen.add(id(config))
-    fields = vars(config)
-    for name, value in fields.items():
-        if is_setting(name, value):
-            slots.append((f"{label}.{name}", fields, name))
-        elif is_config(value):
-            _config_fields(f"{label}.{name}", fields, name, slots, holders, seen, depth + 1)
-
-
-def _made_alike(a: Any, b: Any) -> bool:
-    """Whether two functions were made the same way: the same code over equal closure values, or partials of
-    one function with equal arguments."""
-    if type(a) is not type(b):
-        return False
-    if isinstance(a, functools.partial):
-        return a.func is b.func and not scalar_changed((a.args, a.keywords), (b.args, b.keywords))
-    if isinstance(a, types.FunctionType):
-        cells = [tuple(c.cell_contents for c in f.__closure__ or ()) for f in (a, b)]
-        return a.__code__ is b.__code__ and not scalar_changed(*cells) and a.__defaults__ == b.__defaults__
-    return False
-
-
-def _shown(value: Any) -> str:
-    if value is None or type(value) in SCALAR_TYPES:
-        return repr(value)
-    return getattr(value, "__name__", type(value).__name__)
-
-
-class ModuleSettings:
-    """The Python settings of a module and its submodules that its graphs bake in: train/eval (dropout,
-    BatchNorm), a Dropout's ``p``, how BatchNorms track statistics (finetuning callbacks freeze them; SWA sets
-    momentum=None): every attribute holding a bool, int, float, str or function (an activation) when the module
-    is graphed, and the fields of the config objects it holds (:func:`is_config`: ``self.cfg.residual_scale``)."""
-
-    def __init__(self, module: Optional[nn.Module],
-                 keep: Optional[Callable[[str, nn.Module, str], bool]] = None) -> None:
-        self.module = module
-        self.keep = keep  # keep(module path, module, attribute): which to watch (None: all)
-        self.find()
-
-    def find(self) -> None:
-        """Look for the settings again (the first call of a forward may create some)."""
-        slots: List[Tuple[str, dict, str]] = []
-        holders: List[Tuple[dict, str, Any]] = []  # where config objects are held: one rebound is looked into anew
-        seen: set = set()  # config objects already looked into (one shared by every layer is read once)
-        for path, m in (self.module.named_modules() if self.module is not None else ()):
-            for key, value in m.__dict__.items():
-                setting = is_setting(key, value)
-                if (setting or is_config(value)) and key not in MODULE_INTERNALS and (
-                        self.keep is None or self.keep(path, m, key)):
-                    if setting:
-                        slots.append((attribute_path(path, key), m.__dict__, key))
-                    else:
-                        _config_fields(attribute_path(path, key), m.__dict__, key, slots, holders, seen)
-        self._names, self._dicts, self._keys = columns(slots, 3)
-        self._holder_dicts, self._holder_keys, self._holders = columns(holders, 3)
-
-    def read(self) -> tuple:
-        if self._holders and not slots_hold(self._holder_dicts, self._holder_keys, self._holders):
-            self.find()  # a config object rebound (or removed): its fields are those of the new one
-        try:
-            return tuple(map(dict.__getitem__, self._dicts, self._keys))
-        except KeyError:  # a setting deleted: from now on, the settings there are
-            self.find()
-            return tuple(map(dict.__getitem__, self._dicts, self._keys))
-
-    def snapshot(self) -> List[Tuple[dict, str, Any]]:
-        """The settings with where they live, for :meth:`put_back` (which later :meth:`find` calls do not move)."""
-        return list(zip(self._dicts, self._keys, self.read()))
-
-    @staticmethod
-    def put_back(snapshot: List[Tuple[dict, str, Any]]) -> None:
-        for where, key, value in snapshot:
-            where[key] = value
-
-    @staticmethod
-    def differ(a: tuple, b: tuple) -> bool:
-        try:
-            unequal = a != b  # fast, on every call; NaN settings are unequal to themselves, so look closer
-        except RuntimeError:  # a tensor stored where a setting was (comparing it gives no bool)
-            return True
-        return unequal and (len(a) != len(b) or any(map(scalar_changed, a, b)))
-
-    def counting(self, before: tuple, now: tuple) -> bool:
-        """Whether a setting changed as state carried in Python does (a call counter, a function picked in turn).
-        A function the forward makes alike on every call (``functools.partial(F.softmax, dim=-1)``, a lambda) is
-        its output, not state."""
-        return len(before) != len(now) or any(scalar_changed(old, new) and not _made_alike(old, new)
-                                              for old, new in zip(before, now))
-
-    def change(self, before: tuple, now: tuple) -> str:
-        if len(before) != len(now):
-            return "submodule settings were deleted"
-        for name, old, new in zip(self._names, before, now):
-            if scalar_changed(old, new):
-                return _changed_words(name, old, new)
-        return "submodule settings changed"
-
-
-def _changed_words(name: str, old: Any, new: Any) -> str:
-    """``name changed from old to new``, with functions and modules by their names."""
-    old_shown, new_shown = _shown(old), _shown(new)
-    if old_shown == new_shown:  # functions and modules compare by identity: a new one, made alike
-        return f"{name} was replaced by another {new_shown} (compared by identity: make it once)"
-    return f"{name} changed from {old_shown} to {new_shown}"
 
 
 def submodule_slots(module: nn.Module, leave_out: Collection[Tuple[int, str]] = ()) -> List[Tuple[str, dict, str, Any]]:
@@ -347,7 +232,7 @@ class GraphedCallable:
             if any(sig.backward_pending() for sig in self.signatures.values()):
                 return self._eager(f"{moved[0]} while a backward of this module was pending", args, kwargs)
             if self.signatures:
-                self._drop_signatures(f"{moved[0]}; {moved[1]}")
+                self._drop_signatures(f"{moved[0]}; {moved[1]}", "memory")
             self.note_memory()
         flat, spec = flatten_call(args, kwargs)
         flags, settings = self.current_param_flags(), self.module_settings.read()
@@ -373,7 +258,7 @@ class GraphedCallable:
                                        "an output that requires grad, as a cell unrolled in a loop is; or an upstream "
                                        "module unfrozen mid-step)", args, kwargs)
                 # An upstream module was unfrozen: the new graphs serve the calls of the old ones too.
-                self._warn_recapture("inputs require grad now that did not at capture")
+                self._warn_recapture("inputs require grad now that did not at capture", "inputs")
                 self.signatures.pop(narrower).release()
             why_not = self._why_not_capture(key, flat)
             if why_not:
@@ -479,13 +364,13 @@ class GraphedCallable:
         # a backbone), or their forward bakes in the old submodule settings: the next call captures anew.
         if gained:
             count = sum(now and not was for now, was in zip(flags, self.param_flags))
-            self._drop_signatures(f"{count} parameters require grad now and did not at capture")
+            self._drop_signatures(f"{count} parameters require grad now and did not at capture", "requires_grad")
         else:
-            self._drop_signatures(self.module_settings.change(self.settings, settings))
+            self._drop_signatures(self.module_settings.change(self.settings, settings), "settings")
         self.param_flags, self.settings = flags, settings  # what the next capture sees
 
-    def _drop_signatures(self, what: str) -> None:
-        self._warn_recapture(what)
+    def _drop_signatures(self, what: str, kind: str) -> None:
+        self._warn_recapture(what, kind)
         # A capture costs several calls' time: graphs dropped again right after their first replay, call after
         # call (a tensor rebound or a setting changed every step), are slower than eager.
         settled = any(sig.replays > 1 for sig in self.signatures.values())
@@ -513,9 +398,10 @@ class GraphedCallable:
                             for seen, was, now in zip(self._bound_seen, bound, self._bound_now())]
         return out
 
-    def _warn_recapture(self, what: str) -> None:
-        self._warn_once("recapture", f"npugraph_train: {self.name}: {what}; its graphs are captured again for the "
-                        f"new setting (later recaptures{self._warned_with} are only counted in the report)")
+    def _warn_recapture(self, what: str, kind: str) -> None:
+        self._warn_once(f"recapture:{kind}", f"npugraph_train: {self.name}: {what}; its graphs are captured again "
+                        f"for the new setting (later recaptures for this reason{self._warned_with} are only counted in "
+                        "the report)")
 
     def _warn_once(self, kind: str, message: str) -> None:
         if kind not in self._warned:

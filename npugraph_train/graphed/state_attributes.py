@@ -9,6 +9,7 @@ graphed callables (a module's forward) and the whole-step capture (``training_st
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import itertools
 import types
@@ -63,12 +64,20 @@ def is_setting(name: str, value: Any) -> bool:
 
 def is_config(value: Any) -> bool:
     """Whether an attribute holds a config object whose fields are settings too (``self.cfg.residual_scale``): a
-    dataclass that is not frozen, a ``SimpleNamespace`` or an ``argparse.Namespace``. Other objects (a
-    DictConfig, a library's config class) are not looked into."""
-    if isinstance(value, (types.SimpleNamespace, argparse.Namespace)):
-        return True
-    params = getattr(type(value), "__dataclass_params__", None)
-    return params is not None and not params.frozen and hasattr(value, "__dict__") and not isinstance(value, type)
+    dataclass instance, a ``SimpleNamespace`` or an ``argparse.Namespace``. Other objects (a DictConfig, a
+    library's config class) are not looked into."""
+    return isinstance(value, (types.SimpleNamespace, argparse.Namespace)) or (
+        dataclasses.is_dataclass(value) and not isinstance(value, (type, torch.nn.Module)))
+
+
+def config_fields(config: Any) -> Dict[str, Any]:
+    """A config object's fields by name: its ``__dict__`` itself where it has one, else (a dataclass with slots)
+    a dict of their values."""
+    fields = getattr(config, "__dict__", None)
+    if isinstance(fields, dict):
+        return fields
+    return {f.name: getattr(config, f.name, None) for f in dataclasses.fields(config)}
+
 
 def _accepted(holders: Callable[[Any], bool], value: Any) -> bool:
     try:

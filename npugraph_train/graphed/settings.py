@@ -1,0 +1,181 @@
+"""The Python settings a graph bakes in: what a module and its submodules hold besides tensors.
+
+A replay runs no Python, so every host value the captured forward read is frozen at its capture value:
+train/eval (dropout, BatchNorm), a Dropout's ``p``, how BatchNorms track statistics (finetuning callbacks
+freeze them; SWA sets momentum=None), an activation held as a function, and the fields of a config object
+(``self.cfg.residual_scale``). :class:`ModuleSettings` reads them all on every call, cheaply, so that a change
+captures the graphs again instead of training on the old value::
+
+    settings = ModuleSettings(module)
+    baseline = settings.read()              # at capture
+    ...
+    now = settings.read()                   # before a replay
+    if settings.differ(now, baseline):
+        print(settings.change(baseline, now))   # "blocks.0.cfg.scale changed from 1.0 to 0.5"
+"""
+from __future__ import annotations
+
+import functools
+import operator
+import types
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+import torch.nn as nn
+
+from .state_attributes import (MODULE_INTERNALS, SCALAR_TYPES, attribute_path, columns, config_fields, is_config,
+                               is_setting, scalar_changed)
+
+# Fields of config objects watched in one module tree (a shared config counts once): all are read on every call.
+CONFIG_FIELDS = 200
+_UNSET = object()
+
+
+class ModuleSettings:
+    """The settings of ``module`` and its submodules: every attribute holding a bool, int, float, str or function
+    (an activation), and the fields of the config objects they hold (:func:`~.state_attributes.is_config`; nested
+    ones too, their first :data:`CONFIG_FIELDS` fields; a config object rebound is looked into anew, also where
+    None was put in between). ``keep(path, module, attribute)`` chooses which attributes count (None: all)."""
+
+    def __init__(self, module: Optional[nn.Module],
+                 keep: Optional[Callable[[str, nn.Module, str], bool]] = None) -> None:
+        self.module = module
+        self.keep = keep
+        self._homes: Dict[Tuple[int, str], Tuple[dict, str]] = {}  # module attributes that have held a config
+        self._names: List[str] = []
+        self.find()
+
+    def find(self) -> None:
+        """Look for the settings again (the first call of a forward may create some)."""
+        found = _Found()
+        for path, m in (self.module.named_modules() if self.module is not None else ()):
+            for key, value in m.__dict__.items():
+                setting = is_setting(key, value)
+                if (setting or is_config(value)) and key not in MODULE_INTERNALS and (
+                        self.keep is None or self.keep(path, m, key)):
+                    if setting:
+                        found.slots.append((attribute_path(path, key), m.__dict__, key))
+                    else:
+                        self._homes[id(m.__dict__), key] = (m.__dict__, key)
+                        found.config(attribute_path(path, key), m.__dict__, key)
+        looked_into = {(id(where), key) for where, key, _ in found.holders}
+        found.holders += [(where, key, where.get(key)) for place, (where, key) in self._homes.items()
+                          if place not in looked_into]  # holding None (or another object) now
+        self._earlier_names = self._names  # for change(): the names of the settings read before this
+        self._names = [name for name, _, _ in found.slots] + [name for name, _, _ in found.attributes]
+        _, self._dicts, self._keys = columns(found.slots, 3)
+        _, self._objects, self._attributes = columns(found.attributes, 3)
+        self._holder_places, self._holder_keys, self._holders = columns(found.holders, 3)
+
+    def read(self) -> tuple:
+        if self._holders and not all(map(operator.is_, map(_held, self._holder_places, self._holder_keys),
+                                         self._holders)):
+            self.find()  # a config object rebound (or removed): its fields are those of the new one
+        try:
+            values = tuple(map(dict.__getitem__, self._dicts, self._keys))
+        except KeyError:  # a setting deleted: from now on, the settings there are
+            self.find()
+            values = tuple(map(dict.__getitem__, self._dicts, self._keys))
+        # (the fields of config objects without a __dict__: dataclasses with slots)
+        return values + tuple(map(getattr, self._objects, self._attributes)) if self._objects else values
+
+    def snapshot(self) -> List[Tuple[Any, str, Any]]:
+        """The settings with where they live, for :meth:`put_back` (which later :meth:`find` calls do not move)."""
+        return list(zip([*self._dicts, *self._objects], [*self._keys, *self._attributes], self.read()))
+
+    @staticmethod
+    def put_back(snapshot: List[Tuple[Any, str, Any]]) -> None:
+        for where, key, value in snapshot:
+            if type(where) is dict:
+                where[key] = value
+            else:
+                object.__setattr__(where, key, value)  # (a frozen dataclass's too)
+
+    @staticmethod
+    def differ(a: tuple, b: tuple) -> bool:
+        try:
+            unequal = a != b  # fast, on every call; NaN settings are unequal to themselves, so look closer
+        except RuntimeError:  # a tensor stored where a setting was (comparing it gives no bool)
+            return True
+        return unequal and (len(a) != len(b) or any(map(scalar_changed, a, b)))
+
+    def counting(self, before: tuple, now: tuple) -> bool:
+        """Whether a setting changed as state carried in Python does (a call counter, a function picked in turn).
+        A function the forward makes alike on every call (``functools.partial(F.softmax, dim=-1)``, a lambda) is
+        its output, not state."""
+        return len(before) != len(now) or any(scalar_changed(old, new) and not _made_alike(old, new)
+                                              for old, new in zip(before, now))
+
+    def change(self, before: tuple, now: tuple) -> str:
+        """The first change from ``before`` to ``now`` (two :meth:`read` s), in words."""
+        names_before = self._names if len(before) == len(now) else self._earlier_names
+        if len(names_before) != len(before):
+            return "submodule settings were added or removed"
+        old, new = dict(zip(names_before, before)), dict(zip(self._names, now))
+        for name in [*new, *(name for name in old if name not in new)]:
+            was, value = old.get(name, _UNSET), new.get(name, _UNSET)
+            if was is _UNSET or value is _UNSET:
+                return f"{name} was {'added' if was is _UNSET else 'removed'}"
+            if scalar_changed(was, value):
+                return _changed_words(name, was, value)
+        return "submodule settings changed"
+
+
+class _Found:
+    """What one :meth:`ModuleSettings.find` found: (name, dict, key) of settings in a ``__dict__``, (name,
+    object, attribute) of fields of slots dataclasses, and (where, key, config) of places holding config objects."""
+
+    def __init__(self) -> None:
+        self.slots: List[Tuple[str, dict, str]] = []
+        self.attributes: List[Tuple[str, Any, str]] = []
+        self.holders: List[Tuple[Any, str, Any]] = []
+        self._seen: set = set()  # config objects looked into (one shared by every layer is read once)
+        self._budget = CONFIG_FIELDS
+
+    def config(self, label: str, where: Any, key: str, depth: int = 0) -> None:
+        value = _held(where, key)
+        self.holders.append((where, key, value))
+        if id(value) in self._seen or depth >= 4:
+            return
+        self._seen.add(id(value))
+        fields = config_fields(value)
+        live = getattr(value, "__dict__", None) is fields  # else a copy: read the fields as attributes
+        for name, field in fields.items():
+            if is_setting(name, field) and self._budget > 0:
+                self._budget -= 1
+                if live:
+                    self.slots.append((f"{label}.{name}", fields, name))
+                else:
+                    self.attributes.append((f"{label}.{name}", value, name))
+            elif is_config(field):
+                self.config(f"{label}.{name}", fields if live else value, name, depth + 1)
+
+
+def _held(where: Any, key: str) -> Any:
+    return where.get(key) if type(where) is dict else getattr(where, key, None)
+
+
+def _made_alike(a: Any, b: Any) -> bool:
+    """Whether two functions were made the same way: the same code over equal closure values, or partials of
+    one function with equal arguments."""
+    if type(a) is not type(b):
+        return False
+    if isinstance(a, functools.partial):
+        return a.func is b.func and not scalar_changed((a.args, a.keywords), (b.args, b.keywords))
+    if isinstance(a, types.FunctionType):
+        cells = [tuple(c.cell_contents for c in f.__closure__ or ()) for f in (a, b)]
+        return a.__code__ is b.__code__ and not scalar_changed(*cells) and a.__defaults__ == b.__defaults__
+    return False
+
+
+def _shown(value: Any) -> str:
+    if value is None or type(value) in SCALAR_TYPES:
+        return repr(value)
+    return getattr(value, "__name__", type(value).__name__)
+
+
+def _changed_words(name: str, old: Any, new: Any) -> str:
+    """``name changed from old to new``, with functions and modules by their names."""
+    old_shown, new_shown = _shown(old), _shown(new)
+    if old_shown == new_shown:  # functions and modules compare by identity: a new one, made alike
+        return f"{name} was replaced by another {new_shown} (compared by identity: make it once)"
+    return f"{name} changed from {old_shown} to {new_shown}"
