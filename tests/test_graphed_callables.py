@@ -1074,6 +1074,39 @@ class TestUserPatterns:
         assert captures_after(lambda: setattr(model, "cfg", None), 1.0) == 3
         assert captures_after(lambda: setattr(model, "cfg", make(scale=0.5)), 0.5) == 4  # where None was
 
+    @pytest.mark.parametrize("config, reads_all", [("dataclass", False), ("dataclass", True), ("namespace", True)])
+    def test_fields_of_a_config_the_forward_does_not_read_are_no_settings(self, config, reads_all):
+        # A SimpleNamespace's class cannot be swapped to record reads: all its fields count, as vars(cfg) reads all.
+        @dataclasses.dataclass
+        class Config:
+            scale: float = 1.0
+            calls: int = 0
+
+        class Scaled(nn.Linear):
+            def forward(self, x):
+                scale = vars(self.cfg)["scale"] if reads_all else self.cfg.scale
+                return super().forward(x) * scale
+
+        model = Scaled(4, 4)
+        model.cfg = Config() if config == "dataclass" else types.SimpleNamespace(scale=1.0, calls=0)
+        ng.make_graphed_callables(model, (torch.zeros(3, 4),))
+        assert type(model.cfg) in (Config, types.SimpleNamespace)  # (its own class again after the capture)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for _ in range(6):
+                model.cfg.calls += 1  # a counter a hook keeps in the config
+                model(torch.randn(3, 4)).sum().backward()
+        state = ng.graphed_state(model)
+        captures = sum(s["captures"] for s in state.report()["signatures"])
+        if reads_all:
+            assert any("cfg.calls changed from 0 to 1" in str(w.message) for w in caught)
+            assert sum(state.eager_calls.values()) > 0  # changed on every call: eager after three recaptures
+        else:
+            assert captures == 1 and not state.eager_calls and not caught, [str(w.message) for w in caught]
+            model.cfg.scale = 2.0  # the field it reads still is a setting
+            with pytest.warns(RuntimeWarning, match="cfg.scale changed from 1.0 to 2.0"):
+                model(torch.randn(3, 4))
+
     def test_a_config_rebound_with_another_field_names_the_change(self):
         class Scaled(nn.Linear):
             def forward(self, x):

@@ -1,4 +1,7 @@
+import copy
+import dataclasses
 import logging
+import pickle
 import threading
 import types
 import weakref
@@ -12,6 +15,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from npugraph_train.callbacks.host_state import HostState, snapshot, value_change
 from npugraph_train.callbacks.step_checks import refuse_scheduler_steps
 from npugraph_train.graphed import GraphCaptureError
+from npugraph_train.graphed.attribute_reads import attributes_read
 
 
 class Holder(nn.Module):
@@ -156,3 +160,27 @@ def test_snapshots_copy_up_to_1000_entries_and_keep_the_rest_by_identity():
     large[19] = [0.0] * 100
     assert value_change("large", kept[1], snapshot(large)) == (
         "large[19] was replaced by another list of 100 (compared by identity: make it once)")
+
+
+@dataclasses.dataclass(slots=True)
+class SlotsConfig:
+    beta: float = 1.0
+    steps: int = 0
+
+
+@dataclasses.dataclass
+class Config:
+    beta: float = 1.0
+
+
+def test_attributes_read_are_recorded_and_copies_made_meanwhile_keep_their_class():
+    slots, plain, namespace = SlotsConfig(), Config(), types.SimpleNamespace(beta=1.0)
+    with attributes_read([slots, plain, namespace]) as reads:
+        assert slots.beta == plain.beta == 1.0
+        copies = [pickle.loads(pickle.dumps(plain)), copy.deepcopy(plain), copy.copy(plain)]
+        with attributes_read([plain]) as inner:  # recorded already: the outer block keeps it
+            plain.beta
+    assert type(slots) is SlotsConfig and type(plain) is Config  # put back
+    assert [type(c) for c in copies] == [Config] * 3 and copies[0] == plain
+    assert reads[id(slots)] == {"beta"} and {"beta", "__reduce_ex__"} <= reads[id(plain)]  # (a copy reads all)
+    assert id(namespace) not in reads and inner == {}  # a built-in type's class cannot be swapped

@@ -16,16 +16,16 @@ replay (a change captures again).
 """
 from __future__ import annotations
 
-import contextlib
 import copy
 import functools
 import weakref
-from typing import Any, Dict, Iterable, Iterator, List, NamedTuple, Optional, Set, Tuple
+from typing import Any, Dict, Iterable, List, NamedTuple, Optional, Set, Tuple
 
 import lightning.pytorch as pl
 import torch
 
 from ..graphed.host_random import HostRandom
+from ..graphed.settings import READS_ALL
 from ..graphed.state_attributes import (MODULE_INTERNALS, SCALAR_TYPES, attribute_path, config_fields, is_config,
                                        scalar_changed, tensors_in)
 
@@ -199,15 +199,16 @@ class _Fields:
     __hash__ = None  # type: ignore[assignment]
 
 
-def snapshot(value: Any) -> Any:
+def snapshot(value: Any, fields_read: Optional[Dict[type, Set[str]]] = None) -> Any:
     """A value that a captured step read, kept to compare before each replay (:func:`value_change`): lists, tuples,
     dicts and the fields of config objects copied, as they change in place (1000 entries in all, 4 levels deep;
     containers beyond that compare by identity), tensors and modules by identity, anything else itself (numbers
-    and strings compare by value, other objects as their ``==`` does, by identity unless they define it)."""
-    return _copied(value, 0, [_COMPARED])
+    and strings compare by value, other objects as their ``==`` does, by identity unless they define it). Of a
+    config class in ``fields_read`` (:func:`~..graphed.settings.recording_config_reads`), the fields read only."""
+    return _copied(value, 0, [_COMPARED], fields_read or {})
 
 
-def _copied(value: Any, depth: int, budget: List[int]) -> Any:
+def _copied(value: Any, depth: int, budget: List[int], fields_read: Dict[type, Set[str]]) -> Any:
     if type(value) in _PLAIN:
         return value
     if isinstance(value, (torch.Tensor, torch.nn.Module)):
@@ -216,14 +217,17 @@ def _copied(value: Any, depth: int, budget: List[int]) -> Any:
     if not (config or type(value) in (list, tuple) or isinstance(value, dict)):
         return value
     entries = config_fields(value) if config else value
+    read = fields_read.get(type(value)) if config else None
+    if read is not None and not read & READS_ALL:
+        entries = {k: v for k, v in entries.items() if k in read}
     if depth >= 4 or len(entries) > budget[0]:
         return _ByIdentity(value)
     budget[0] -= len(entries)
     if config:
-        return _Fields(type(value), {k: _copied(v, depth + 1, budget) for k, v in entries.items()})
+        return _Fields(type(value), {k: _copied(v, depth + 1, budget, fields_read) for k, v in entries.items()})
     if isinstance(value, dict):
-        return {k: _copied(v, depth + 1, budget) for k, v in dict.items(value)}
-    return type(value)(_copied(v, depth + 1, budget) for v in value)
+        return {k: _copied(v, depth + 1, budget, fields_read) for k, v in dict.items(value)}
+    return type(value)(_copied(v, depth + 1, budget, fields_read) for v in value)
 
 
 _PLAIN = frozenset((bool, int, float, str, type(None)))
@@ -271,18 +275,3 @@ def short_value(value: Any) -> str:
     if len(text) <= 40:
         return text
     return f"{type(value).__name__} of {len(value)}" if isinstance(value, (list, tuple, dict)) else text[:37] + "..."
-
-
-@contextlib.contextmanager
-def reads_noted(obj: Any, recording_class: type, reads: Dict[int, Set[str]]) -> Iterator[Set[str]]:
-    """The names that ``recording_class``, a subclass of ``type(obj)`` that notes them in ``reads[id(obj)]``,
-    sees read inside, ``obj``'s class being swapped for it there."""
-    cls = type(obj)
-    names: Set[str] = set()
-    try:
-        reads[id(obj)] = names
-        object.__setattr__(obj, "__class__", recording_class)  # (AttributeDict's setattr would set a key)
-        yield names
-    finally:
-        object.__setattr__(obj, "__class__", cls)
-        reads.pop(id(obj), None)

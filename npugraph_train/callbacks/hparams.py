@@ -26,7 +26,7 @@ from typing import Any, Collection, Dict, Iterator, Optional, Set, Tuple
 
 import torch
 
-from .host_state import UNSET, reads_noted, snapshot, value_change
+from .host_state import UNSET, snapshot, value_change
 
 _READS: Dict[int, Set[str]] = {}  # id(hparams) -> the keys read, while recording
 
@@ -88,17 +88,25 @@ def recording_hparams_reads(module: torch.nn.Module) -> Iterator[Set[str]]:
     if not isinstance(hparams, dict) or type(hparams) is dict:
         yield set()
         return
-    with reads_noted(hparams, _recording_class(type(hparams)), _READS) as keys:
+    cls, keys = type(hparams), set()
+    try:
+        _READS[id(hparams)] = keys
+        object.__setattr__(hparams, "__class__", _recording_class(cls))  # (AttributeDict's setattr sets a key)
         yield keys
+    finally:
+        object.__setattr__(hparams, "__class__", cls)
+        _READS.pop(id(hparams), None)
 
 
 class HparamsWatch:
     """The values of the ``hparams`` keys a captured step read, as :meth:`read` gives them; see the module
     docstring."""
 
-    def __init__(self, module: torch.nn.Module, keys: Collection[str]) -> None:
+    def __init__(self, module: torch.nn.Module, keys: Collection[str],
+                 fields_read: Optional[Dict[type, Set[str]]] = None) -> None:
         self.module = module
         self.keys = tuple(sorted(keys))
+        self.fields_read = fields_read  # of config objects in the entries (snapshot's)
 
     def read(self) -> Tuple[Any, ...]:
         if not self.keys:
@@ -106,7 +114,7 @@ class HparamsWatch:
         hparams = _hparams(self.module)
         if not isinstance(hparams, dict):  # replaced by another kind of object: nothing to compare
             return (hparams,) * len(self.keys)
-        return tuple(snapshot(dict.get(hparams, key, UNSET)) for key in self.keys)
+        return tuple(snapshot(dict.get(hparams, key, UNSET), self.fields_read) for key in self.keys)
 
     def change(self, before: Tuple[Any, ...], now: Tuple[Any, ...]) -> Optional[str]:
         """What changed from ``before`` to ``now``, in words, or None."""

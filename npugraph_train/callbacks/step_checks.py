@@ -30,12 +30,13 @@ from torch.optim.lr_scheduler import LRScheduler, ReduceLROnPlateau
 from torch.utils.hooks import RemovableHandle
 
 from ..graphed import GraphCaptureError
+from ..graphed.attribute_reads import NOTING_READ, attributes_read
 from ..graphed.callables import GLOBAL_HOOK_KINDS, MODULE_HOOK_KINDS, slots_hold, submodule_slots
 from ..graphed.settings import ModuleSettings
 from ..graphed.state_attributes import SCALAR_TYPES, adopted, carried_state_message, columns
 from ..graphed.user_code import user_frame, user_source_line
 from .hparams import HparamsWatch
-from .host_state import UNSET, lightning_internals, reads_noted, snapshot, value_change
+from .host_state import UNSET, lightning_internals, snapshot, value_change
 
 
 def is_metric(value: Any) -> bool:
@@ -82,31 +83,11 @@ def host_random_error(generators: List[str]) -> Optional[GraphCaptureError]:
         "host), which a replay draws anew", module_name="training_step")
 
 
-_READS_BY_MODULE: Dict[int, Set[str]] = {}  # id(module) -> names of its attributes read, while recording
-
-
-def _recording_getattribute(self: Any, name: str) -> Any:
-    names = _READS_BY_MODULE.get(id(self))
-    if names is not None:
-        names.add(name)
-    return type(self).__mro__[1].__getattribute__(self, name)
-
-
-_RECORDING_READ = _recording_getattribute.__code__
-
-
-@functools.lru_cache(maxsize=None)
-def _recording_class(cls: type) -> type:
-    # One per class, made once: class registries (__init_subclass__) see one more subclass, not one per capture.
-    if cls.__dict__.get("__getattribute__") is _recording_getattribute:
-        return cls  # already recording (a copy made during a capture): its base is the user's class
-    return type(cls.__name__, (cls,), {"__getattribute__": _recording_getattribute, "__module__": cls.__module__,
-                                       "__qualname__": cls.__qualname__})
-
-
-def recording_reads(module: torch.nn.Module) -> ContextManager[Set[str]]:
-    """The names of ``module``'s attributes read inside (its class is swapped for a subclass that notes them)."""
-    return reads_noted(module, _recording_class(type(module)), _READS_BY_MODULE)
+@contextlib.contextmanager
+def recording_reads(module: torch.nn.Module) -> Iterator[Set[str]]:
+    """The names of ``module``'s attributes read inside (:func:`~..graphed.attribute_reads.attributes_read`)."""
+    with attributes_read([module]) as reads:
+        yield reads.get(id(module), set())
 
 
 _HOST_COUNTERS = ("global_step", "current_epoch")
@@ -123,7 +104,7 @@ def watch_host_counters(on_read: Callable[[str, Any], None]) -> Iterator[None]:
         def read(owner: Any) -> Any:
             value = prop.fget(owner)
             caller = sys._getframe(1)
-            if caller.f_code is _RECORDING_READ:  # through recording_reads' __getattribute__
+            if caller.f_code is NOTING_READ:  # through recording_reads' __getattribute__
                 caller = caller.f_back
             if user_frame() is caller:  # read by the user's code, not by Lightning's
                 on_read(name, value)
@@ -363,12 +344,13 @@ class BakedSetup:
     def remember(self, module: "pl.LightningModule", optimizer: torch.optim.Optimizer,
                  root_reads: Collection[str] = (), assigned: Collection[Tuple[Any, str]] = (),
                  bindings: Sequence[Tuple[str, Dict[str, Any], str, torch.Tensor]] = (),
-                 hparams_read: Collection[str] = ()) -> None:
+                 hparams_read: Collection[str] = (), fields_read: Optional[Dict[type, Set[str]]] = None) -> None:
         """Note the setup as the graph just captured it. ``root_reads``: the LightningModule's own attributes the
         step read (of its submodules every setting counts); ``assigned``: the (module, attribute) pairs the step
         assigned, which are its outputs, not settings (self.n = x.shape[0], rewritten by eager forwards);
         ``bindings``: the attributes bound to tensors the step read (``StateAttributes.read_bindings``);
-        ``hparams_read``: the keys of ``module.hparams`` it read (:func:`.hparams.recording_hparams_reads`)."""
+        ``hparams_read``: the keys of ``module.hparams`` it read (:func:`.hparams.recording_hparams_reads`);
+        ``fields_read``: the fields of config objects it read (:func:`~..graphed.settings.recording_config_reads`)."""
         self._bound = columns(bindings, 4)
         # Gradients of frozen parameters that the captured optimizer step reads (zero_grad(set_to_none=False) kept
         # them) and no backward writes: eager steps stop updating such a parameter once its .grad is None.
@@ -381,7 +363,7 @@ class BakedSetup:
             # Metrics count their updates in Python (outside the step, where they belong).
             return (path != "" or name in watched_root) and (id(owner), name) not in written and not is_metric(owner)
 
-        self._module_settings = ModuleSettings(module, keep)
+        self._module_settings = ModuleSettings(module, keep, fields_read)
         # Which module each submodule of those the step read is (an activation swapped mid-epoch: the graph runs
         # the old one's kernels), and how many each holds (a teacher put where None was, a ModuleList grown).
         slots = [(name, module._modules, name, child) for name, child in module._modules.items()
@@ -402,7 +384,7 @@ class BakedSetup:
         # Containers are compared entry by entry (they change in place).
         self._containers = [i for i, name in enumerate(self._objects_read)
                             if isinstance(values[name], (list, tuple, dict))]
-        self._hparams = HparamsWatch(module, hparams_read)
+        self._hparams = HparamsWatch(module, hparams_read, fields_read)
         self._setting_values, self._hparams_values, self._object_values = self.read_settings(module)
         groups = optimizer.param_groups
         self._lrs = [group["lr"] for group in groups]

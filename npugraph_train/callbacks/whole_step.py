@@ -36,6 +36,7 @@ from ..graphed import Graph, GraphCaptureError, graph
 from ..graphed.backends import Backend
 from ..graphed.callables import RECAPTURES_BEFORE_EAGER
 from ..graphed.captured import recording_assignments
+from ..graphed.settings import ModuleSettings, configs_in, recording_config_reads
 from ..graphed.signatures import static_copies
 from ..graphed.state_attributes import StateAttributes, storage_address, tensors_in
 from ..graphed.user_code import warn_at_user_code
@@ -106,6 +107,12 @@ def _clone_outputs(result: Dict[str, Any]) -> Dict[str, Any]:
     # tree_map of a whole {"loss": t} costs 5x this on the replay path; nested values still go through it.
     return {key: value.clone() if isinstance(value, torch.Tensor) else tree_map(_clone, value)
             for key, value in result.items()}
+
+
+def _configs(module: "pl.LightningModule") -> List[Any]:
+    """The config objects a training step may read: held by the module and its submodules, or in ``hparams``."""
+    hparams = module.__dict__.get("_hparams")
+    return ModuleSettings(module).configs + configs_in(dict.values(hparams) if isinstance(hparams, dict) else ())
 
 
 class WholeStepGrapher:
@@ -222,6 +229,7 @@ class WholeStepGrapher:
                     self.graph, capture_error_mode=self.config.capture_error_mode,
                     auto_dispatch_capture=self.config.auto_dispatch_capture), attributes.reads, \
                     recording_reads(module) as root_reads, recording_hparams_reads(module) as hparams_read, \
+                    recording_config_reads(_configs(module)) as fields_read, \
                     recording_assignments() as assigned:
                 result = _AutomaticOptimization.run(loop, optimizer, batch_idx, static_kwargs)
         except GraphCaptureError as exc:
@@ -303,7 +311,8 @@ class WholeStepGrapher:
         self.static_result = result
         self.static_grads = [(p, p.grad) for group in unwrap(optimizer).param_groups for p in group["params"]
                              if p.grad is not None]
-        self.baked.remember(module, unwrap(optimizer), root_reads, assigned, attributes.read_bindings(), hparams_read)
+        self.baked.remember(module, unwrap(optimizer), root_reads, assigned, attributes.read_bindings(), hparams_read,
+                            fields_read)
         self.captures.append({"description": describe(key), "reason": self.recapture_reason,
                               "first_replay": self.replays, "capture_seconds": self.capture_seconds,
                               "pool_bytes": self.pool_bytes})

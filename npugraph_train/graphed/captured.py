@@ -25,6 +25,7 @@ from torch.utils.hooks import RemovableHandle
 from .errors import GraphCaptureError, GraphStateError
 from .graphs import Graph, graph
 from .host_random import HostRandom
+from .settings import recording_config_reads
 from .signatures import Signature, describe_signature, unique_tensors
 from .state_attributes import (MODULE_INTERNALS, StateAttributes, StorageReads, attribute_path, carried_state_message,
                                is_setting, storage_address, tensors_in)
@@ -658,7 +659,8 @@ def capture_signatures(sigs: Sequence[CapturedSignature], key_of: Dict[int, Sign
             restore()
             # Taken after warmup, which may have made attributes that the forward then writes on every call.
             attributes.update((id(o), StateAttributes(o.func, reads)) for o in owners if o.is_module)
-            with reads:
+            # Which fields of config objects the captured Python reads: only those are settings of its graphs.
+            with reads, recording_config_reads(c for o in owners for c in o.module_settings.configs) as fields_read:
                 for current in sigs:
                     timed(current, current.capture_forward)
             writes.log.undo(only=reads.written)  # replays write them once per call, as eager would
@@ -700,6 +702,8 @@ def capture_signatures(sigs: Sequence[CapturedSignature], key_of: Dict[int, Sign
         if error is exc:
             raise
         raise error from exc
+    for owner in {id(o): o for o in owners}.values():
+        owner.module_settings.note_reads(fields_read)
     for s in sigs:
         key = key_of[id(s)]
         s.owner.signatures[key] = s

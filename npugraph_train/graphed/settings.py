@@ -15,38 +15,56 @@ captures the graphs again instead of training on the old value::
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import operator
 import types
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Set, Tuple
 
 import torch.nn as nn
 
+from .attribute_reads import attributes_read
 from .state_attributes import (MODULE_INTERNALS, SCALAR_TYPES, attribute_path, columns, config_fields, is_config,
                                is_setting, scalar_changed)
 
 # Fields of config objects watched in one module tree (a shared config counts once): all are read on every call.
 CONFIG_FIELDS = 200
 _UNSET = object()
+# Reads that take every field (vars(cfg), a copy or pickle of it).
+READS_ALL = frozenset(("__dict__", "__getstate__", "__reduce__", "__reduce_ex__"))
 
 
 class ModuleSettings:
     """The settings of ``module`` and its submodules: every attribute holding a bool, int, float, str or function
     (an activation), and the fields of the config objects they hold (:func:`~.state_attributes.is_config`; nested
     ones too, their first :data:`CONFIG_FIELDS` fields; a config object rebound is looked into anew, also where
-    None was put in between). ``keep(path, module, attribute)`` chooses which attributes count (None: all)."""
+    None was put in between). Of a config class whose reads a capture recorded (:meth:`note_reads`), only the
+    fields read count: a counter kept beside the settings is no setting. ``keep(path, module, attribute)``
+    chooses which attributes count (None: all)."""
 
     def __init__(self, module: Optional[nn.Module],
-                 keep: Optional[Callable[[str, nn.Module, str], bool]] = None) -> None:
+                 keep: Optional[Callable[[str, nn.Module, str], bool]] = None,
+                 fields_read: Optional[Dict[type, Set[str]]] = None) -> None:
         self.module = module
         self.keep = keep
         self._homes: Dict[Tuple[int, str], Tuple[dict, str]] = {}  # module attributes that have held a config
+        self._fields_read: Dict[type, Set[str]] = {}  # config class: the fields captures read (all: READS_ALL)
         self._names: List[str] = []
+        self.configs: List[Any] = []  # the config objects found
+        if fields_read:
+            self.note_reads(fields_read, find=False)
         self.find()
+
+    def note_reads(self, fields_read: Dict[type, Set[str]], find: bool = True) -> None:
+        """Add the fields a capture read (:func:`recording_config_reads`), by config class, and look again."""
+        for cls, names in fields_read.items():
+            self._fields_read.setdefault(cls, set()).update(names)
+        if find:
+            self.find()
 
     def find(self) -> None:
         """Look for the settings again (the first call of a forward may create some)."""
-        found = _Found()
+        found = _Found(self._fields_read)
         for path, m in (self.module.named_modules() if self.module is not None else ()):
             for key, value in m.__dict__.items():
                 setting = is_setting(key, value)
@@ -65,6 +83,7 @@ class ModuleSettings:
         _, self._dicts, self._keys = columns(found.slots, 3)
         _, self._objects, self._attributes = columns(found.attributes, 3)
         self._holder_places, self._holder_keys, self._holders = columns(found.holders, 3)
+        self.configs = found.configs
 
     def read(self) -> tuple:
         if self._holders and not all(map(operator.is_, map(_held, self._holder_places, self._holder_keys),
@@ -124,10 +143,12 @@ class _Found:
     """What one :meth:`ModuleSettings.find` found: (name, dict, key) of settings in a ``__dict__``, (name,
     object, attribute) of fields of slots dataclasses, and (where, key, config) of places holding config objects."""
 
-    def __init__(self) -> None:
+    def __init__(self, fields_read: Dict[type, Set[str]]) -> None:
         self.slots: List[Tuple[str, dict, str]] = []
         self.attributes: List[Tuple[str, Any, str]] = []
         self.holders: List[Tuple[Any, str, Any]] = []
+        self.configs: List[Any] = []
+        self._fields_read = fields_read
         self._seen: set = set()  # config objects looked into (one shared by every layer is read once)
         self._budget = CONFIG_FIELDS
 
@@ -137,9 +158,15 @@ class _Found:
         if id(value) in self._seen or depth >= 4:
             return
         self._seen.add(id(value))
+        self.configs.append(value)
         fields = config_fields(value)
         live = getattr(value, "__dict__", None) is fields  # else a copy: read the fields as attributes
+        read = self._fields_read.get(type(value))
+        if read is not None and read & READS_ALL:
+            read = None
         for name, field in fields.items():
+            if read is not None and name not in read:
+                continue
             if is_setting(name, field) and self._budget > 0:
                 self._budget -= 1
                 if live:
@@ -148,6 +175,27 @@ class _Found:
                     self.attributes.append((f"{label}.{name}", value, name))
             elif is_config(field):
                 self.config(f"{label}.{name}", fields if live else value, name, depth + 1)
+
+
+def configs_in(values: Iterable[Any]) -> List[Any]:
+    """The config objects among ``values`` and in their fields (nested ones, 4 levels)."""
+    found, held = _Found({}), {str(i): value for i, value in enumerate(values) if is_config(value)}
+    for key in held:
+        found.config(key, held, key)
+    return found.configs
+
+
+@contextlib.contextmanager
+def recording_config_reads(configs: Iterable[Any]) -> Iterator[Dict[type, Set[str]]]:
+    """The fields read of ``configs`` inside, by class, filled when the block ends (:func:`.attribute_reads.
+    attributes_read`). A ``SimpleNamespace`` is left out: all its fields stay settings."""
+    configs = list(configs)
+    by_class: Dict[type, Set[str]] = {}
+    with attributes_read(configs) as reads:
+        yield by_class
+    for config in configs:
+        if id(config) in reads:
+            by_class.setdefault(type(config), set()).update(reads[id(config)])
 
 
 def _held(where: Any, key: str) -> Any:

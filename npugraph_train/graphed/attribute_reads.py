@@ -1,0 +1,75 @@
+"""Which attributes of some objects code reads inside a block.
+
+A captured region's Python runs once; what it read then is what its graphs bake in. Inside the block each
+object's class is swapped for a subclass (one per class, made once) whose ``__getattribute__`` notes the
+names, and swapped back after::
+
+    with attributes_read([module, cfg]) as reads:
+        capture()
+    reads[id(cfg)]          # {"beta", ...}
+
+Pickles and copies made inside are of the object's own class; ``type(obj) is Cls`` is False there.
+"""
+from __future__ import annotations
+
+import contextlib
+import copyreg
+import functools
+from typing import Any, Dict, Iterable, Iterator, List, Set, Tuple
+
+_READING: Dict[int, Set[str]] = {}  # id(object): the names read, while recording
+
+
+def _noting_getattribute(self: Any, name: str) -> Any:
+    names = _READING.get(id(self))
+    if names is not None:
+        names.add(name)
+    return type(self).__mro__[1].__getattribute__(self, name)
+
+
+# The code of the frame that sits between a read of a recorded object and the code that read it.
+NOTING_READ = _noting_getattribute.__code__
+
+
+def _reduce_as_own_class(self: Any, protocol: Any) -> Any:
+    # Pickled or copied inside the block (a deepcopy of hparams, a checkpoint): as the class pickle finds by name.
+    noting, cls = type(self), type(self).__mro__[1]
+    reduced = cls.__reduce_ex__(self, protocol)
+    if isinstance(reduced, tuple) and reduced[0] is copyreg.__newobj__ and reduced[1] == (noting,):
+        # (pickle checks that __newobj__ makes the object's own class)
+        return (copyreg._reconstructor, (cls, object, None), *reduced[2:])
+    return reduced
+
+
+@functools.lru_cache(maxsize=None)
+def _noting_class(cls: type) -> type:
+    # One per class, made once (class registries, __init_subclass__, see one more subclass, not one per block).
+    # No __dict__ of its own, so that an instance of a class with __slots__ can take it.
+    return type(cls.__name__, (cls,), {"__getattribute__": _noting_getattribute, "__slots__": (),
+                                       "__reduce_ex__": _reduce_as_own_class, "__module__": cls.__module__,
+                                       "__qualname__": cls.__qualname__})
+
+
+@contextlib.contextmanager
+def attributes_read(objects: Iterable[Any]) -> Iterator[Dict[int, Set[str]]]:
+    """The names read of each of ``objects`` inside, by ``id``. Left out: an object whose class cannot be
+    swapped (an instance of a built-in type, such as ``SimpleNamespace``), and one recorded already by a block
+    around this one."""
+    reads: Dict[int, Set[str]] = {}
+    swapped: List[Tuple[Any, type]] = []
+    try:
+        for obj in {id(o): o for o in objects}.values():
+            if id(obj) in _READING:
+                continue
+            cls = type(obj)
+            try:
+                object.__setattr__(obj, "__class__", _noting_class(cls))  # (a frozen dataclass's setattr refuses)
+            except TypeError:
+                continue
+            swapped.append((obj, cls))
+            reads[id(obj)] = _READING[id(obj)] = set()
+        yield reads
+    finally:
+        for obj, cls in swapped:
+            object.__setattr__(obj, "__class__", cls)
+            _READING.pop(id(obj), None)
