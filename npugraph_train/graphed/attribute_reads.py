@@ -45,6 +45,8 @@ def _reduce_as_own_class(self: Any, protocol: Any) -> Any:
 def _noting_class(cls: type) -> type:
     # One per class, made once (class registries, __init_subclass__, see one more subclass, not one per block).
     # No __dict__ of its own, so that an instance of a class with __slots__ can take it.
+    if cls.__dict__.get("__getattribute__") is _noting_getattribute:
+        return cls  # (an object made as type(obj)(...) inside a block: its base is the user's class)
     return type(cls.__name__, (cls,), {"__getattribute__": _noting_getattribute, "__slots__": (),
                                        "__reduce_ex__": _reduce_as_own_class, "__module__": cls.__module__,
                                        "__qualname__": cls.__qualname__})
