@@ -1107,6 +1107,57 @@ class TestUserPatterns:
             with pytest.warns(RuntimeWarning, match="cfg.scale changed from 1.0 to 2.0"):
                 model(torch.randn(3, 4))
 
+    @pytest.mark.parametrize("case", ["backward reads", "compared with ==", "base class with slots"])
+    def test_config_fields_read_where_recording_is_easy_to_miss_are_watched(self, case):
+        # a field only a custom backward reads; a dataclass compared with == while its class is swapped; a field
+        # of a slots base class of a plain dataclass
+        @dataclasses.dataclass(slots=True)
+        class Base:
+            scale: float = 1.0
+
+        @dataclasses.dataclass
+        class Config(Base):
+            extra: int = 0
+
+        default = Config()
+
+        class ScaleGrad(torch.autograd.Function):
+            @staticmethod
+            def forward(ctx, x, cfg):
+                ctx.cfg = cfg
+                return x.view_as(x)
+
+            @staticmethod
+            def backward(ctx, grad):
+                return grad * ctx.cfg.scale, None
+
+        class Scaled(nn.Linear):
+            def forward(self, x):
+                y = super().forward(x)
+                if case == "backward reads":
+                    return ScaleGrad.apply(y, self.cfg)
+                if case == "compared with ==":
+                    return y * 2.0 if self.cfg == default else y
+                return y * self.cfg.scale
+
+        def train(graphed):
+            torch.manual_seed(0)
+            model = Scaled(4, 4)
+            model.cfg = Config()
+            if graphed:
+                ng.make_graphed_callables(model, (torch.zeros(3, 4, requires_grad=True),))
+            for step in range(4):
+                if step == 2:
+                    model.cfg.scale = 0.5
+                model(torch.randn(3, 4, requires_grad=True)).sum().backward()
+            return model
+
+        eager = train(False)
+        with pytest.warns(RuntimeWarning, match="cfg.scale changed from 1.0 to 0.5"):
+            graphed = train(True)
+        assert all(torch.equal(a, b) for a, b in zip(eager.parameters(), graphed.parameters()))
+        assert type(graphed.cfg) is Config
+
     def test_a_config_rebound_with_another_field_names_the_change(self):
         class Scaled(nn.Linear):
             def forward(self, x):

@@ -896,6 +896,42 @@ def test_fields_of_a_config_the_step_does_not_read_are_no_settings(where):
     assert model.cfg.seen == 20 and row["captures"] == 1 and row["replays"] >= 14, row
 
 
+_REGISTRY = {}
+
+
+class Registered(Scheduled):
+    def __init_subclass__(cls, *, key, **kwargs):  # a registry that wants an argument: no recording subclass
+        super().__init_subclass__(**kwargs)
+        _REGISTRY[key] = cls
+
+
+class ReadsBeta(Registered, key="reads_beta"):
+    def __init__(self):
+        super().__init__(optimizer="adamw")
+        self.beta = 1.0
+        self.stages = [LossConfig()]  # a config inside a list
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return self.beta * self.stages[0].beta * nn.functional.mse_loss(self(x), y)
+
+
+@pytest.mark.parametrize("change, message", [("beta", "beta changed from 1.0 to 0.5"),
+                                             ("stages", r"stages\[0\].beta changed from 1.0 to 0.5")])
+def test_a_module_whose_class_cannot_record_reads_is_watched_whole(change, message):
+    class Anneal(Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            if trainer.global_step == 12:
+                if change == "beta":
+                    pl_module.beta = 0.5
+                else:
+                    pl_module.stages[0].beta = 0.5
+
+    eager, graphed, row = _eager_and_graphed(ReadsBeta, Anneal(), f"{message}.* after the training step was captured",
+                                             max_steps=20)
+    assert _same(eager, graphed) and row["captures"] == 2 and type(graphed) is ReadsBeta
+
+
 def test_values_the_step_writes_are_no_settings_when_validation_rewrites_them():
     class Remembers(nn.Module):
         def __init__(self):

@@ -19,13 +19,13 @@ from __future__ import annotations
 import copy
 import functools
 import weakref
-from typing import Any, Dict, Iterable, List, NamedTuple, Optional, Set, Tuple
+from typing import Any, Dict, Iterable, List, NamedTuple, Optional, Tuple
 
 import lightning.pytorch as pl
 import torch
 
 from ..graphed.host_random import HostRandom
-from ..graphed.settings import READS_ALL
+from ..graphed.settings import FieldsRead
 from ..graphed.state_attributes import (MODULE_INTERNALS, SCALAR_TYPES, attribute_path, config_fields, is_config,
                                        scalar_changed, tensors_in)
 
@@ -199,16 +199,16 @@ class _Fields:
     __hash__ = None  # type: ignore[assignment]
 
 
-def snapshot(value: Any, fields_read: Optional[Dict[type, Set[str]]] = None) -> Any:
+def snapshot(value: Any, fields_read: Optional[FieldsRead] = None) -> Any:
     """A value that a captured step read, kept to compare before each replay (:func:`value_change`): lists, tuples,
     dicts and the fields of config objects copied, as they change in place (1000 entries in all, 4 levels deep;
     containers beyond that compare by identity), tensors and modules by identity, anything else itself (numbers
     and strings compare by value, other objects as their ``==`` does, by identity unless they define it). Of a
-    config class in ``fields_read`` (:func:`~..graphed.settings.recording_config_reads`), the fields read only."""
-    return _copied(value, 0, [_COMPARED], fields_read or {})
+    config object in ``fields_read`` (:func:`~..graphed.settings.recording_config_reads`), the fields read only."""
+    return _copied(value, 0, [_COMPARED], fields_read or FieldsRead())
 
 
-def _copied(value: Any, depth: int, budget: List[int], fields_read: Dict[type, Set[str]]) -> Any:
+def _copied(value: Any, depth: int, budget: List[int], fields_read: FieldsRead) -> Any:
     if type(value) in _PLAIN:
         return value
     if isinstance(value, (torch.Tensor, torch.nn.Module)):
@@ -217,8 +217,8 @@ def _copied(value: Any, depth: int, budget: List[int], fields_read: Dict[type, S
     if not (config or type(value) in (list, tuple) or isinstance(value, dict)):
         return value
     entries = config_fields(value) if config else value
-    read = fields_read.get(type(value)) if config else None
-    if read is not None and not read & READS_ALL:
+    read = fields_read.of(value) if config else None
+    if read is not None:
         entries = {k: v for k, v in entries.items() if k in read}
     if depth >= 4 or len(entries) > budget[0]:
         return _ByIdentity(value)
@@ -241,6 +241,11 @@ def value_change(name: str, before: Any, now: Any) -> Optional[str]:
     while True:  # down to the innermost entry or field that changed
         if type(before) is type(now) is _Fields and before.cls is now.cls:
             before, now = before.fields, now.fields
+        if type(before) is type(now) and type(now) in (list, tuple) and len(before) == len(now):
+            index = next(i for i, (old, new) in enumerate(zip(before, now)) if scalar_changed(old, new))
+            if type(now[index]) in (_Fields, dict, list, tuple):  # (a list of numbers is shown whole)
+                name, before, now = f"{name}[{index}]", before[index], now[index]
+                continue
         if not (isinstance(before, dict) and isinstance(now, dict)):
             break
         key = next((k for k in before if k in now and scalar_changed(before[k], now[k])), UNSET)

@@ -26,6 +26,7 @@ from typing import Any, Collection, Dict, Iterator, Optional, Set, Tuple
 
 import torch
 
+from ..graphed.settings import FieldsRead
 from .host_state import UNSET, snapshot, value_change
 
 _READS: Dict[int, Set[str]] = {}  # id(hparams) -> the keys read, while recording
@@ -103,7 +104,7 @@ class HparamsWatch:
     docstring."""
 
     def __init__(self, module: torch.nn.Module, keys: Collection[str],
-                 fields_read: Optional[Dict[type, Set[str]]] = None) -> None:
+                 fields_read: Optional[FieldsRead] = None) -> None:
         self.module = module
         self.keys = tuple(sorted(keys))
         self.fields_read = fields_read  # of config objects in the entries (snapshot's)

@@ -32,7 +32,7 @@ from torch.utils.hooks import RemovableHandle
 from ..graphed import GraphCaptureError
 from ..graphed.attribute_reads import NOTING_READ, attributes_read
 from ..graphed.callables import GLOBAL_HOOK_KINDS, MODULE_HOOK_KINDS, slots_hold, submodule_slots
-from ..graphed.settings import ModuleSettings
+from ..graphed.settings import FieldsRead, ModuleSettings
 from ..graphed.state_attributes import SCALAR_TYPES, adopted, carried_state_message, columns
 from ..graphed.user_code import user_frame, user_source_line
 from .hparams import HparamsWatch
@@ -85,9 +85,14 @@ def host_random_error(generators: List[str]) -> Optional[GraphCaptureError]:
 
 @contextlib.contextmanager
 def recording_reads(module: torch.nn.Module) -> Iterator[Set[str]]:
-    """The names of ``module``'s attributes read inside (:func:`~..graphed.attribute_reads.attributes_read`)."""
+    """The names of ``module``'s attributes read inside (:func:`~..graphed.attribute_reads.attributes_read`); all
+    of them where its class cannot be swapped (an ``__init_subclass__`` that wants arguments)."""
     with attributes_read([module]) as reads:
-        yield reads.get(id(module), set())
+        recorded = id(module) in reads
+        names = reads[id(module)] if recorded else set()
+        yield names
+    if not recorded:
+        names.update(vars(module))
 
 
 _HOST_COUNTERS = ("global_step", "current_epoch")
@@ -344,7 +349,7 @@ class BakedSetup:
     def remember(self, module: "pl.LightningModule", optimizer: torch.optim.Optimizer,
                  root_reads: Collection[str] = (), assigned: Collection[Tuple[Any, str]] = (),
                  bindings: Sequence[Tuple[str, Dict[str, Any], str, torch.Tensor]] = (),
-                 hparams_read: Collection[str] = (), fields_read: Optional[Dict[type, Set[str]]] = None) -> None:
+                 hparams_read: Collection[str] = (), fields_read: Optional[FieldsRead] = None) -> None:
         """Note the setup as the graph just captured it. ``root_reads``: the LightningModule's own attributes the
         step read (of its submodules every setting counts); ``assigned``: the (module, attribute) pairs the step
         assigned, which are its outputs, not settings (self.n = x.shape[0], rewritten by eager forwards);

@@ -8,7 +8,9 @@ names, and swapped back after::
         capture()
     reads[id(cfg)]          # {"beta", ...}
 
-Pickles and copies made inside are of the object's own class; ``type(obj) is Cls`` is False there.
+Inside, ``obj.__class__`` (what ``isinstance``, a dataclass's ``==``, ``dataclasses.replace`` and pickling use)
+is still the object's own class; only ``type(obj) is Cls`` is False there. Reads that bypass the instance's
+``__getattribute__`` (``object.__getattribute__(obj, name)``) are not seen.
 """
 from __future__ import annotations
 
@@ -31,6 +33,9 @@ def _noting_getattribute(self: Any, name: str) -> Any:
 NOTING_READ = _noting_getattribute.__code__
 
 
+_set_class = object.__dict__["__class__"].__set__  # (the noting class's own __class__ is read-only)
+
+
 def _reduce_as_own_class(self: Any, protocol: Any) -> Any:
     # Pickled or copied inside the block (a deepcopy of hparams, a checkpoint): as the class pickle finds by name.
     noting, cls = type(self), type(self).__mro__[1]
@@ -48,6 +53,7 @@ def _noting_class(cls: type) -> type:
     if cls.__dict__.get("__getattribute__") is _noting_getattribute:
         return cls  # (an object made as type(obj)(...) inside a block: its base is the user's class)
     return type(cls.__name__, (cls,), {"__getattribute__": _noting_getattribute, "__slots__": (),
+                                       "__class__": property(lambda self: cls),
                                        "__reduce_ex__": _reduce_as_own_class, "__module__": cls.__module__,
                                        "__qualname__": cls.__qualname__})
 
@@ -65,13 +71,13 @@ def attributes_read(objects: Iterable[Any]) -> Iterator[Dict[int, Set[str]]]:
                 continue
             cls = type(obj)
             try:
-                object.__setattr__(obj, "__class__", _noting_class(cls))  # (a frozen dataclass's setattr refuses)
-            except TypeError:
+                _set_class(obj, _noting_class(cls))
+            except Exception:  # (TypeError from a built-in type, or a class registry's __init_subclass__)
                 continue
             swapped.append((obj, cls))
             reads[id(obj)] = _READING[id(obj)] = set()
         yield reads
     finally:
         for obj, cls in swapped:
-            object.__setattr__(obj, "__class__", cls)
+            _set_class(obj, cls)
             _READING.pop(id(obj), None)

@@ -659,26 +659,29 @@ def capture_signatures(sigs: Sequence[CapturedSignature], key_of: Dict[int, Sign
             restore()
             # Taken after warmup, which may have made attributes that the forward then writes on every call.
             attributes.update((id(o), StateAttributes(o.func, reads)) for o in owners if o.is_module)
-            # Which fields of config objects the captured Python reads: only those are settings of its graphs.
-            with reads, recording_config_reads(c for o in owners for c in o.module_settings.configs) as fields_read:
+            # Which fields of config objects the captured Python (forward and backward) reads: only those are
+            # settings of its graphs.
+            with recording_config_reads(c for o in owners for c in o.module_settings.configs) as fields_read:
+                with reads:
+                    for current in sigs:
+                        timed(current, current.capture_forward)
+                writes.log.undo(only=reads.written)  # replays write them once per call, as eager would
+                backend.synchronize()  # those copies read saved contents that are freed on return
                 for current in sigs:
-                    timed(current, current.capture_forward)
-            writes.log.undo(only=reads.written)  # replays write them once per call, as eager would
-            backend.synchronize()  # those copies read saved contents that are freed on return
-            for current in sigs:
-                kept = attributes.get(id(current.owner))
-                carried = kept.carried(list(current.static_outputs), current.static_inputs) if kept is not None else []
-                if carried:
-                    raise GraphCaptureError(carried_state_message(
-                        f"{current.owner.name}: its forward", "call", carried, "Update such state in place "
-                        "(self.avg.mul_(0.9).add_(...)), fill caches before graphing, or keep this module eager."))
-                if kept is not None:
-                    kept.guard_written_with_grad(
-                        lambda t, name, owner=current.owner.name: _NoBackward.apply(t, name, owner))
-                current.attributes = kept if kept is not None and kept.written else None
-                current.read_bindings = kept.read_bindings() if kept is not None else []
-            for current in reversed(sigs):
-                timed(current, current.capture_backward)
+                    kept = attributes.get(id(current.owner))
+                    carried = (kept.carried(list(current.static_outputs), current.static_inputs)
+                               if kept is not None else [])
+                    if carried:
+                        raise GraphCaptureError(carried_state_message(
+                            f"{current.owner.name}: its forward", "call", carried, "Update such state in place "
+                            "(self.avg.mul_(0.9).add_(...)), fill caches before graphing, or keep this module eager."))
+                    if kept is not None:
+                        kept.guard_written_with_grad(
+                            lambda t, name, owner=current.owner.name: _NoBackward.apply(t, name, owner))
+                    current.attributes = kept if kept is not None and kept.written else None
+                    current.read_bindings = kept.read_bindings() if kept is not None else []
+                for current in reversed(sigs):
+                    timed(current, current.capture_backward)
     except BaseException as exc:  # Ctrl-C or any error in a user's forward: warmup must leave no trace either
         notes = []
         try:

@@ -15,6 +15,7 @@ captures the graphs again instead of training on the old value::
 """
 from __future__ import annotations
 
+import abc
 import contextlib
 import functools
 import operator
@@ -44,21 +45,20 @@ class ModuleSettings:
 
     def __init__(self, module: Optional[nn.Module],
                  keep: Optional[Callable[[str, nn.Module, str], bool]] = None,
-                 fields_read: Optional[Dict[type, Set[str]]] = None) -> None:
+                 fields_read: Optional[FieldsRead] = None) -> None:
         self.module = module
         self.keep = keep
         self._homes: Dict[Tuple[int, str], Tuple[dict, str]] = {}  # module attributes that have held a config
-        self._fields_read: Dict[type, Set[str]] = {}  # config class: the fields captures read (all: READS_ALL)
+        self._fields_read = FieldsRead()
         self._names: List[str] = []
         self.configs: List[Any] = []  # the config objects found
         if fields_read:
             self.note_reads(fields_read, find=False)
         self.find()
 
-    def note_reads(self, fields_read: Dict[type, Set[str]], find: bool = True) -> None:
-        """Add the fields a capture read (:func:`recording_config_reads`), by config class, and look again."""
-        for cls, names in fields_read.items():
-            self._fields_read.setdefault(cls, set()).update(names)
+    def note_reads(self, fields_read: FieldsRead, find: bool = True) -> None:
+        """Add the fields a capture read (:func:`recording_config_reads`) and look again."""
+        self._fields_read.update(fields_read)
         if find:
             self.find()
 
@@ -143,7 +143,7 @@ class _Found:
     """What one :meth:`ModuleSettings.find` found: (name, dict, key) of settings in a ``__dict__``, (name,
     object, attribute) of fields of slots dataclasses, and (where, key, config) of places holding config objects."""
 
-    def __init__(self, fields_read: Dict[type, Set[str]]) -> None:
+    def __init__(self, fields_read: FieldsRead) -> None:
         self.slots: List[Tuple[str, dict, str]] = []
         self.attributes: List[Tuple[str, Any, str]] = []
         self.holders: List[Tuple[Any, str, Any]] = []
@@ -161,9 +161,7 @@ class _Found:
         self.configs.append(value)
         fields = config_fields(value)
         live = getattr(value, "__dict__", None) is fields  # else a copy: read the fields as attributes
-        read = self._fields_read.get(type(value))
-        if read is not None and read & READS_ALL:
-            read = None
+        read = self._fields_read.of(value)
         for name, field in fields.items():
             if read is not None and name not in read:
                 continue
@@ -177,25 +175,68 @@ class _Found:
                 self.config(f"{label}.{name}", fields if live else value, name, depth + 1)
 
 
+class FieldsRead:
+    """The fields of config objects that captures read (:func:`recording_config_reads`)."""
+
+    def __init__(self) -> None:
+        self._by_object: Dict[int, Tuple[Any, Set[str]]] = {}  # (the object kept: its id stays its own)
+        self._by_class: Dict[type, Set[str]] = {}
+
+    def add(self, config: Any, names: Set[str]) -> None:
+        known = self._by_object.get(id(config))
+        if known is None or known[0] is not config:
+            known = self._by_object[id(config)] = (config, set())
+        known[1].update(names)
+        self._by_class.setdefault(type(config), set()).update(names)
+
+    def update(self, other: "FieldsRead") -> None:
+        for config, names in other._by_object.values():
+            self.add(config, names)
+
+    def of(self, config: Any) -> Optional[Set[str]]:
+        """The fields of ``config`` that count, or None for all: those a capture read of it, or, for an object
+        made after the captures (a frozen config rebuilt with ``dataclasses.replace``), of its class."""
+        known = self._by_object.get(id(config))
+        names = known[1] if known is not None and known[0] is config else self._by_class.get(type(config))
+        return None if names is None or names & READS_ALL else names
+
+
 def configs_in(values: Iterable[Any]) -> List[Any]:
-    """The config objects among ``values`` and in their fields (nested ones, 4 levels)."""
-    found, held = _Found({}), {str(i): value for i, value in enumerate(values) if is_config(value)}
+    """The config objects among ``values``, inside their lists, tuples and dicts, and in their fields (nested
+    ones, 4 levels; 1000 entries in all)."""
+    found, held, budget = _Found(FieldsRead()), {}, [1000]
+
+    def visit(value: Any, depth: int) -> None:
+        if is_config(value):
+            held[str(len(held))] = value
+        elif isinstance(value, (list, tuple, dict)) and depth < 4 and len(value) <= budget[0]:
+            budget[0] -= len(value)
+            for item in (value.values() if isinstance(value, dict) else value):
+                visit(item, depth + 1)
+
+    for value in values:
+        visit(value, 0)
     for key in held:
         found.config(key, held, key)
     return found.configs
 
 
 @contextlib.contextmanager
-def recording_config_reads(configs: Iterable[Any]) -> Iterator[Dict[type, Set[str]]]:
-    """The fields read of ``configs`` inside, by class, filled when the block ends (:func:`.attribute_reads.
-    attributes_read`). A ``SimpleNamespace`` is left out: all its fields stay settings."""
-    configs = list(configs)
-    by_class: Dict[type, Set[str]] = {}
+def recording_config_reads(configs: Iterable[Any]) -> Iterator[FieldsRead]:
+    """The fields read of ``configs`` inside, filled when the block ends (:func:`.attribute_reads.attributes_read`).
+    Left out, all their fields staying settings: a ``SimpleNamespace`` (its class cannot change), and objects of
+    a class with an ``__init_subclass__`` or a metaclass of its own (a registry would see the recording class)."""
+    configs = [config for config in configs if _plain_class(type(config))]
+    found = FieldsRead()
     with attributes_read(configs) as reads:
-        yield by_class
+        yield found
     for config in configs:
         if id(config) in reads:
-            by_class.setdefault(type(config), set()).update(reads[id(config)])
+            found.add(config, reads[id(config)])
+
+
+def _plain_class(cls: type) -> bool:
+    return type(cls) in (type, abc.ABCMeta) and all("__init_subclass__" not in c.__dict__ for c in cls.__mro__[:-1])
 
 
 def _held(where: Any, key: str) -> Any:

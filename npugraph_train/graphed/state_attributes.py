@@ -71,12 +71,15 @@ def is_config(value: Any) -> bool:
 
 
 def config_fields(config: Any) -> Dict[str, Any]:
-    """A config object's fields by name: its ``__dict__`` itself where it has one, else (a dataclass with slots)
-    a dict of their values."""
+    """A config object's fields by name: its ``__dict__`` itself where that holds them all, else (a dataclass
+    with slots, or one whose base has slots) a dict of their values."""
     fields = getattr(config, "__dict__", None)
-    if isinstance(fields, dict):
+    if not dataclasses.is_dataclass(config):
+        return fields if isinstance(fields, dict) else {}
+    declared = dataclasses.fields(config)
+    if isinstance(fields, dict) and all(f.name in fields for f in declared):
         return fields
-    return {f.name: getattr(config, f.name, None) for f in dataclasses.fields(config)}
+    return {f.name: getattr(config, f.name, None) for f in declared}
 
 
 def _accepted(holders: Callable[[Any], bool], value: Any) -> bool:
