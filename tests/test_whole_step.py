@@ -874,17 +874,20 @@ def test_hparams_the_step_does_not_read_are_no_settings():
     assert model.hparams.seen == 20 and row["captures"] == 1 and row["replays"] >= 14, row
 
 
-@pytest.mark.parametrize("where", ["attribute", "hparams"])
+@pytest.mark.parametrize("where", ["attribute", "hparams", "rebuilt"])
 def test_fields_of_a_config_the_step_does_not_read_are_no_settings(where):
     class Count(Callback):
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            if where == "rebuilt":  # a new object each step, as a frozen config is changed
+                pl_module.cfg = dataclasses.replace(pl_module.cfg, seen=pl_module.cfg.seen + 1)
+                return
             cfg = pl_module.cfg if where == "attribute" else pl_module.hparams.cfg
             cfg.seen += 1
 
     class ReadsConfig(FromHparams):
         def training_step(self, batch, batch_idx):
             x, y = batch
-            cfg = self.cfg if where == "attribute" else self.hparams.cfg
+            cfg = self.hparams.cfg if where == "hparams" else self.cfg
             return cfg.beta * nn.functional.mse_loss(self(x), y)
 
     callback = NPUGraphCallback(mode="whole_step")

@@ -33,7 +33,7 @@ from ..graphed import GraphCaptureError
 from ..graphed.attribute_reads import NOTING_READ, attributes_read
 from ..graphed.callables import GLOBAL_HOOK_KINDS, MODULE_HOOK_KINDS, slots_hold, submodule_slots
 from ..graphed.settings import FieldsRead, ModuleSettings
-from ..graphed.state_attributes import SCALAR_TYPES, adopted, carried_state_message, columns
+from ..graphed.state_attributes import SCALAR_TYPES, adopted, carried_state_message, columns, is_config
 from ..graphed.user_code import user_frame, user_source_line
 from .hparams import HparamsWatch
 from .host_state import UNSET, lightning_internals, snapshot, value_change
@@ -323,6 +323,7 @@ class BakedSetup:
         self._module_counts: List[int] = []
         self._objects_read: List[str] = []
         self._containers: List[int] = []
+        self._fields_read: Optional[FieldsRead] = None
         self._object_values: tuple = ()
         self._hparams_values: tuple = ()
         # Attributes bound to tensors the step read (a buffer, a loss weight kept as a tensor): labels, the dicts
@@ -382,13 +383,16 @@ class BakedSetup:
         # Its other attributes the step read (None where a teacher module is set later, a loss function replaced,
         # a list of weights): which branch the step took, which code it ran, are baked in. Submodules are the slots'
         # above, tensors bindings (below). A module assigned over None goes to _modules: missing here, a change.
+        # Config objects are the module settings' (the fields read, also of one rebound).
         values = vars(module)
         self._objects_read = sorted(  # (_hparams, the dict behind self.hparams: watched by the keys read)
             name for name in watched_root - {"_hparams"} if name in values and (id(module), name) not in written
-            and type(values[name]) not in SCALAR_TYPES and not isinstance(values[name], torch.Tensor))
+            and type(values[name]) not in SCALAR_TYPES and not isinstance(values[name], torch.Tensor)
+            and not is_config(values[name]))
         # Containers are compared entry by entry (they change in place).
         self._containers = [i for i, name in enumerate(self._objects_read)
                             if isinstance(values[name], (list, tuple, dict))]
+        self._fields_read = fields_read
         self._hparams = HparamsWatch(module, hparams_read, fields_read)
         self._setting_values, self._hparams_values, self._object_values = self.read_settings(module)
         groups = optimizer.param_groups
@@ -415,7 +419,7 @@ class BakedSetup:
         """The attributes as read, with the containers among them copied (they change in place)."""
         if not self._containers:
             return tuple(objects)
-        return tuple(snapshot(o) if i in self._containers else o for i, o in enumerate(objects))
+        return tuple(snapshot(o, self._fields_read) if i in self._containers else o for i, o in enumerate(objects))
 
     def adopt_settings(self, module: torch.nn.Module, before: Tuple[tuple, tuple, tuple]) -> None:
         """Take over the settings an eager step changed (a value it writes, self.n = x.shape[0]): the step's own,

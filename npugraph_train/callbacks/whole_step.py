@@ -38,7 +38,7 @@ from ..graphed.callables import RECAPTURES_BEFORE_EAGER
 from ..graphed.captured import recording_assignments
 from ..graphed.settings import ModuleSettings, configs_in, recording_config_reads
 from ..graphed.signatures import static_copies
-from ..graphed.state_attributes import StateAttributes, storage_address, tensors_in
+from ..graphed.state_attributes import MODULE_INTERNALS, StateAttributes, storage_address, tensors_in
 from ..graphed.user_code import warn_at_user_code
 from ..optim import check_capture_safe, clip_grad_norm_, make_capturable, unwrap
 from .batch import (MAX_CAPTURE_DELAY, VALUES_DIFFER, BatchKey, batch_key, describe, ready_to_capture,
@@ -49,7 +49,7 @@ from .step_checks import (BakedSetup, WatchedIndex, host_random_error, is_metric
                           watch_host_counters)
 from .step_logs import StepLogRecorder
 from .hparams import recording_hparams_reads
-from .host_state import HostState
+from .host_state import HostState, lightning_internals
 from .step_setup import callbacks_inside_step, check_schedulers
 
 # The LightningModule method that maps a batch to the cpu_update_input of its graphs (auto_dispatch_capture).
@@ -110,9 +110,11 @@ def _clone_outputs(result: Dict[str, Any]) -> Dict[str, Any]:
 
 
 def _configs(module: "pl.LightningModule") -> List[Any]:
-    """The config objects a training step may read: held by the module and its submodules, or in ``hparams``."""
-    hparams = module.__dict__.get("_hparams")
-    return ModuleSettings(module).configs + configs_in(dict.values(hparams) if isinstance(hparams, dict) else ())
+    """The config objects a training step may read: held by the module and its submodules, or in the module's
+    lists and dicts (``hparams`` too)."""
+    internal = MODULE_INTERNALS | lightning_internals()
+    return ModuleSettings(module).configs + configs_in(
+        [value for name, value in vars(module).items() if name not in internal])
 
 
 class WholeStepGrapher:
@@ -224,12 +226,13 @@ class WholeStepGrapher:
         failure: Optional[GraphCaptureError] = None
         result: Dict[str, Any] = {}
         started = time.perf_counter()
+        configs = _configs(module)  # (before hparams' reads are recorded: looking through them reads them all)
         try:
             with watch_host_counters(self._warn_host_read), refuse_scheduler_steps(), graph(
                     self.graph, capture_error_mode=self.config.capture_error_mode,
                     auto_dispatch_capture=self.config.auto_dispatch_capture), attributes.reads, \
                     recording_reads(module) as root_reads, recording_hparams_reads(module) as hparams_read, \
-                    recording_config_reads(_configs(module)) as fields_read, \
+                    recording_config_reads(configs) as fields_read, \
                     recording_assignments() as assigned:
                 result = _AutomaticOptimization.run(loop, optimizer, batch_idx, static_kwargs)
         except GraphCaptureError as exc:
