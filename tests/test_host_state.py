@@ -184,3 +184,22 @@ def test_attributes_read_are_recorded_and_copies_made_meanwhile_keep_their_class
     assert [type(c) for c in copies] == [Config] * 3 and copies[0] == plain
     assert reads[id(slots)] == {"beta"} and {"beta", "__reduce_ex__"} <= reads[id(plain)]  # (a copy reads all)
     assert id(namespace) not in reads and inner == {}  # a built-in type's class cannot be swapped
+
+
+class Reduces:
+    def __reduce__(self):  # a user's own: the class as type(self) gives it
+        return (type(self), ())
+
+
+class Renamed(Reduces):
+    pass
+
+
+def test_objects_recorded_can_be_pickled_by_their_own_reduce_and_change_class():
+    obj = Reduces()
+    with attributes_read([obj]) as reads:
+        assert type(pickle.loads(pickle.dumps(obj))) is Reduces
+        obj.__class__ = Renamed  # (torch's parametrize changes a module's class this way)
+        assert obj.__class__ is Renamed and isinstance(obj, Renamed)
+        obj.anything = 1
+    assert type(obj) is Renamed and id(obj) in reads

@@ -899,6 +899,25 @@ def test_fields_of_a_config_the_step_does_not_read_are_no_settings(where):
     assert model.cfg.seen == 20 and row["captures"] == 1 and row["replays"] >= 14, row
 
 
+class WeightedByClassDefault(Scheduled):
+    beta = 1.0  # a class-level default, which a callback overrides on the instance
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return self.beta * nn.functional.mse_loss(self(x), y)
+
+
+def test_a_class_level_default_the_step_read_is_watched():
+    class Anneal(Callback):
+        def on_train_epoch_start(self, trainer, pl_module):
+            if trainer.current_epoch:
+                pl_module.beta = 1.0 + 0.5 * trainer.current_epoch
+
+    eager, graphed, row = _eager_and_graphed(lambda: WeightedByClassDefault(optimizer="adamw"), Anneal(),
+                                             r"beta changed from 1.0 to 1.5 after the training step was captured")
+    assert _same(eager, graphed) and row["captures"] == 4, row
+
+
 _REGISTRY = {}
 
 

@@ -19,6 +19,7 @@ import itertools
 import operator
 import sys
 import threading
+import types
 from typing import (Any, Callable, Collection, ContextManager, Dict, Iterable, Iterator, List, Optional, Sequence, Set,
                     Tuple)
 
@@ -293,6 +294,16 @@ def _unequal(a: tuple, b: tuple) -> bool:
         return True
 
 
+def _class_held_value(cls: type, name: str) -> bool:
+    """Whether the user's part of ``cls`` holds a value for ``name`` that instances read unless they set their
+    own: a number, flag, string or None (a default), or a slot (torch's and Lightning's own are left out)."""
+    owner = next((c for c in cls.__mro__ if name in c.__dict__), None)
+    if owner is None or owner.__module__.split(".")[0] in ("torch", "lightning", "pytorch_lightning"):
+        return False
+    value = owner.__dict__[name]
+    return value is None or type(value) in SCALAR_TYPES or isinstance(value, types.MemberDescriptorType)
+
+
 def _attribute(module: torch.nn.Module, name: str) -> Any:
     """An attribute as the module holds it (a module or parameter assigned goes to _modules or _parameters)."""
     values = vars(module)
@@ -324,6 +335,7 @@ class BakedSetup:
         self._objects_read: List[str] = []
         self._containers: List[int] = []
         self._fields_read: Optional[FieldsRead] = None
+        self._read_through_class = False
         self._object_values: tuple = ()
         self._hparams_values: tuple = ()
         # Attributes bound to tensors the step read (a buffer, a loss weight kept as a tensor): labels, the dicts
@@ -383,15 +395,20 @@ class BakedSetup:
         # Its other attributes the step read (None where a teacher module is set later, a loss function replaced,
         # a list of weights): which branch the step took, which code it ran, are baked in. Submodules are the slots'
         # above, tensors bindings (below). A module assigned over None goes to _modules: missing here, a change.
-        # Config objects are the module settings' (the fields read, also of one rebound).
+        # Config objects are the module settings' (the fields read, also of one rebound). Values the class holds
+        # (a default, beta = 1.0, that a callback may set on the instance; a slot) are read with getattr.
         values = vars(module)
         self._objects_read = sorted(  # (_hparams, the dict behind self.hparams: watched by the keys read)
             name for name in watched_root - {"_hparams"} if name in values and (id(module), name) not in written
             and type(values[name]) not in SCALAR_TYPES and not isinstance(values[name], torch.Tensor)
             and not is_config(values[name]))
+        from_class = sorted(name for name in watched_root - set(values) if (id(module), name) not in written
+                            and _class_held_value(type(module), name))
+        self._objects_read += from_class
+        self._read_through_class = bool(from_class)
         # Containers are compared entry by entry (they change in place).
         self._containers = [i for i, name in enumerate(self._objects_read)
-                            if isinstance(values[name], (list, tuple, dict))]
+                            if isinstance(_attribute(module, name), (list, tuple, dict))]
         self._fields_read = fields_read
         self._hparams = HparamsWatch(module, hparams_read, fields_read)
         self._setting_values, self._hparams_values, self._object_values = self.read_settings(module)
@@ -412,7 +429,9 @@ class BakedSetup:
         """The module settings, hparams values and other attributes the graph baked in, as they are now."""
         if self._module_settings is None or self._hparams is None:
             return (), (), ()
-        objects = self._snapshots(map(vars(module).get, self._objects_read, itertools.repeat(UNSET)))
+        objects = self._snapshots(map(functools.partial(_attribute, module), self._objects_read)
+                                  if self._read_through_class else
+                                  map(vars(module).get, self._objects_read, itertools.repeat(UNSET)))
         return self._module_settings.read(), self._hparams.read(), objects
 
     def _snapshots(self, objects: Iterable[Any]) -> tuple:

@@ -9,15 +9,17 @@ names, and swapped back after::
     reads[id(cfg)]          # {"beta", ...}
 
 Inside, ``obj.__class__`` (what ``isinstance``, a dataclass's ``==``, ``dataclasses.replace`` and pickling use)
-is still the object's own class; only ``type(obj) is Cls`` is False there. Reads that bypass the instance's
+is still the object's own class, and assigning it (torch's parametrize does) changes that; only
+``type(obj) is Cls`` is False there. Reads that bypass the instance's
 ``__getattribute__`` (``object.__getattribute__(obj, name)``) are not seen.
 """
 from __future__ import annotations
 
+import abc
 import contextlib
 import copyreg
 import functools
-from typing import Any, Dict, Iterable, Iterator, List, Set, Tuple
+from typing import Any, Dict, Iterable, Iterator, List, Set
 
 _READING: Dict[int, Set[str]] = {}  # id(object): the names read, while recording
 
@@ -40,10 +42,23 @@ def _reduce_as_own_class(self: Any, protocol: Any) -> Any:
     # Pickled or copied inside the block (a deepcopy of hparams, a checkpoint): as the class pickle finds by name.
     noting, cls = type(self), type(self).__mro__[1]
     reduced = cls.__reduce_ex__(self, protocol)
-    if isinstance(reduced, tuple) and reduced[0] is copyreg.__newobj__ and reduced[1] == (noting,):
+    if not isinstance(reduced, tuple):
+        return reduced
+    if reduced[0] is copyreg.__newobj__ and reduced[1] == (noting,):
         # (pickle checks that __newobj__ makes the object's own class)
         return (copyreg._reconstructor, (cls, object, None), *reduced[2:])
+    if reduced[0] is noting:  # a __reduce__ of the user's that returns (type(self), args)
+        return (cls, *reduced[1:])
     return reduced
+
+
+def _class_of(self: Any) -> type:
+    return type(self).__mro__[1]
+
+
+def _set_class_of(self: Any, cls: type) -> None:
+    # Code inside the block that changes the class (torch's parametrize does): the new one is recorded too.
+    _set_class(self, _noting_class(cls))
 
 
 @functools.lru_cache(maxsize=None)
@@ -53,7 +68,7 @@ def _noting_class(cls: type) -> type:
     if cls.__dict__.get("__getattribute__") is _noting_getattribute:
         return cls  # (an object made as type(obj)(...) inside a block: its base is the user's class)
     return type(cls.__name__, (cls,), {"__getattribute__": _noting_getattribute, "__slots__": (),
-                                       "__class__": property(lambda self: cls),
+                                       "__class__": property(_class_of, _set_class_of),
                                        "__reduce_ex__": _reduce_as_own_class, "__module__": cls.__module__,
                                        "__qualname__": cls.__qualname__})
 
@@ -61,23 +76,27 @@ def _noting_class(cls: type) -> type:
 @contextlib.contextmanager
 def attributes_read(objects: Iterable[Any]) -> Iterator[Dict[int, Set[str]]]:
     """The names read of each of ``objects`` inside, by ``id``. Left out: an object whose class cannot be
-    swapped (an instance of a built-in type, such as ``SimpleNamespace``), and one recorded already by a block
-    around this one."""
+    swapped (an instance of a built-in type, such as ``SimpleNamespace``), or should not be (a class with an
+    ``__init_subclass__`` or a metaclass of its own: a registry would see the subclass), and one recorded
+    already by a block around this one."""
     reads: Dict[int, Set[str]] = {}
-    swapped: List[Tuple[Any, type]] = []
+    swapped: List[Any] = []
     try:
         for obj in {id(o): o for o in objects}.values():
-            if id(obj) in _READING:
+            if id(obj) in _READING or not _plain_class(type(obj)):
                 continue
-            cls = type(obj)
             try:
-                _set_class(obj, _noting_class(cls))
-            except Exception:  # (TypeError from a built-in type, or a class registry's __init_subclass__)
+                _set_class(obj, _noting_class(type(obj)))
+            except TypeError:  # a built-in type
                 continue
-            swapped.append((obj, cls))
+            swapped.append(obj)
             reads[id(obj)] = _READING[id(obj)] = set()
         yield reads
     finally:
-        for obj, cls in swapped:
-            _set_class(obj, cls)
+        for obj in swapped:
+            _set_class(obj, _class_of(obj))  # (the class it has now, if code inside changed it)
             _READING.pop(id(obj), None)
+
+
+def _plain_class(cls: type) -> bool:
+    return type(cls) in (type, abc.ABCMeta) and all("__init_subclass__" not in c.__dict__ for c in cls.__mro__[:-1])

@@ -15,7 +15,6 @@ captures the graphs again instead of training on the old value::
 """
 from __future__ import annotations
 
-import abc
 import contextlib
 import functools
 import operator
@@ -224,19 +223,14 @@ def configs_in(values: Iterable[Any]) -> List[Any]:
 @contextlib.contextmanager
 def recording_config_reads(configs: Iterable[Any]) -> Iterator[FieldsRead]:
     """The fields read of ``configs`` inside, filled when the block ends (:func:`.attribute_reads.attributes_read`).
-    Left out, all their fields staying settings: a ``SimpleNamespace`` (its class cannot change), and objects of
-    a class with an ``__init_subclass__`` or a metaclass of its own (a registry would see the recording class)."""
-    configs = [config for config in configs if _plain_class(type(config))]
+    Those it leaves out (a ``SimpleNamespace``, a class with a registry) keep all their fields as settings."""
+    configs = list(configs)
     found = FieldsRead()
     with attributes_read(configs) as reads:
         yield found
     for config in configs:
         if id(config) in reads:
             found.add(config, reads[id(config)])
-
-
-def _plain_class(cls: type) -> bool:
-    return type(cls) in (type, abc.ABCMeta) and all("__init_subclass__" not in c.__dict__ for c in cls.__mro__[:-1])
 
 
 def _held(where: Any, key: str) -> Any:
