@@ -1838,6 +1838,26 @@ class TestModuleState:
             assert torch.equal(eager.attn, graphed.attn)  # (last_len, a host value, stays as the graph saw it)
         assert [s["captures"] for s in ng.graphed_state(graphed).report()["signatures"]] == [1]
 
+    def test_host_values_the_forward_writes_follow_each_signature(self):
+        @dataclasses.dataclass(slots=True)
+        class Lengths:
+            last: int = 0
+
+        class Writes(nn.Linear):
+            def forward(self, x):
+                # a module attribute; a config's field; a slots dataclass's
+                self.last_len = self.cfg.last_len = self.lengths.last = x.shape[0]
+                return super().forward(x)
+
+        model = Writes(4, 4)
+        model.cfg, model.lengths = argparse.Namespace(last_len=0), Lengths()  # (a SimpleNamespace's are not seen)
+        ng.make_graphed_callables(model, (torch.zeros(8, 4),), max_signatures=2)
+        for n in (8, 6, 8, 6, 8):
+            model(torch.randn(n, 4)).sum().backward()
+            assert (model.last_len, model.cfg.last_len, model.lengths.last) == (n, n, n)
+        state = ng.graphed_state(model)
+        assert not state.eager_calls and [s["replays"] for s in state.report()["signatures"]] == [3, 2]
+
     def test_a_deleted_setting_captures_again_once(self):
         model = nn.Sequential(nn.Linear(4, 4), nn.Dropout(0.0))
         model[1].schedule_step = 0

@@ -19,9 +19,10 @@ import abc
 import contextlib
 import copyreg
 import functools
-from typing import Any, Dict, Iterable, Iterator, List, Set
+from typing import Any, Dict, Iterable, Iterator, List, Set, Tuple
 
 _READING: Dict[int, Set[str]] = {}  # id(object): the names read, while recording
+_ASSIGNED: List[Tuple[Any, str]] = []  # (object, name) of each assignment to a recorded object, in order
 
 
 def _noting_getattribute(self: Any, name: str) -> Any:
@@ -33,6 +34,22 @@ def _noting_getattribute(self: Any, name: str) -> Any:
 
 # The code of the frame that sits between a read of a recorded object and the code that read it.
 NOTING_READ = _noting_getattribute.__code__
+
+
+def _noting_setattr(self: Any, name: str, value: Any) -> None:
+    type(self).__mro__[1].__setattr__(self, name, value)
+    if id(self) in _READING:
+        _ASSIGNED.append((self, name))
+
+
+def assignment_count() -> int:
+    """How many assignments to recorded objects were made so far in the current block."""
+    return len(_ASSIGNED)
+
+
+def assigned_since(count: int) -> List[Tuple[Any, str]]:
+    """The (object, name) assigned to recorded objects since :func:`assignment_count` gave ``count``."""
+    return _ASSIGNED[count:]
 
 
 _set_class = object.__dict__["__class__"].__set__  # (the noting class's own __class__ is read-only)
@@ -67,7 +84,8 @@ def _noting_class(cls: type) -> type:
     # No __dict__ of its own, so that an instance of a class with __slots__ can take it.
     if cls.__dict__.get("__getattribute__") is _noting_getattribute:
         return cls  # (an object made as type(obj)(...) inside a block: its base is the user's class)
-    return type(cls.__name__, (cls,), {"__getattribute__": _noting_getattribute, "__slots__": (),
+    return type(cls.__name__, (cls,), {"__getattribute__": _noting_getattribute, "__setattr__": _noting_setattr,
+                                       "__slots__": (),
                                        "__class__": property(_class_of, _set_class_of),
                                        "__reduce_ex__": _reduce_as_own_class, "__module__": cls.__module__,
                                        "__qualname__": cls.__qualname__})
@@ -96,6 +114,8 @@ def attributes_read(objects: Iterable[Any]) -> Iterator[Dict[int, Set[str]]]:
         for obj in swapped:
             _set_class(obj, _class_of(obj))  # (the class it has now, if code inside changed it)
             _READING.pop(id(obj), None)
+        if not _READING:
+            _ASSIGNED.clear()
 
 
 def _plain_class(cls: type) -> bool:

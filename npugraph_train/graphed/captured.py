@@ -25,6 +25,7 @@ from torch.utils.hooks import RemovableHandle
 from .errors import GraphCaptureError, GraphStateError
 from .graphs import Graph, graph
 from .host_random import HostRandom
+from .attribute_reads import assigned_since, assignment_count
 from .settings import recording_config_reads
 from .signatures import Signature, describe_signature, unique_tensors
 from .state_attributes import (MODULE_INTERNALS, StateAttributes, StorageReads, attribute_path, carried_state_message,
@@ -198,7 +199,8 @@ class CapturedSignature:
         self.bwd_graph = Graph(owner.backend)
         self.static_outputs: Tuple[torch.Tensor, ...] = ()
         self.outputs_read_by_backward: Tuple[torch.Tensor, ...] = ()
-        self.written_scalars: List[Tuple[nn.Module, str, Any]] = []  # (module, name, value at capture)
+        # (a module's __dict__ or a config object, name, value at capture)
+        self.written_scalars: List[Tuple[Any, str, Any]] = []
         self.assigned: set = set()  # (id(module), name) of the attributes its captured forward assigned
         # ids of parameters frozen now but trained at the first capture: made to require grad for this capture,
         # and allowed to be unused by it (a shape that skips them), as they were when frozen.
@@ -329,18 +331,24 @@ class CapturedSignature:
             # that no gc finds, which pins the pool until a backward runs (never, if the capture fails).
             return t.detach()
 
+        first = assignment_count()
         with graph(self.fwd_graph, pool=self.pool, capture_error_mode=self.owner.capture_error_mode,
                    auto_dispatch_capture=self.owner.auto_dispatch_capture), \
                 torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), recording_assignments() as assigned:
             outputs = self.owner.call_original(*args, **kwargs)
+        # Config objects' fields (self.cfg.n = n), as recording_config_reads around the capture records them.
+        configs = {(id(obj), name): (obj, name) for obj, name in assigned_since(first)
+                   if not isinstance(obj, nn.Module)}
         # Host values the forward set (self.last_len = n, a grown cache's length): a replay sets them again, as
         # the forward would, so that they match the tensors this signature's replay binds.
         # A graphed module's own submodules; any module a graphed function writes to.
         owned = {id(m) for m in self.owner.func.modules()} if self.owner.is_module else None
         self.assigned = {(id(m), name) for m, name in assigned}
-        self.written_scalars = [(m, name, m.__dict__[name]) for m, name in dict.fromkeys(assigned)
+        self.written_scalars = [(m.__dict__, name, m.__dict__[name]) for m, name in dict.fromkeys(assigned)
                                 if (owned is None or id(m) in owned) and is_setting(name, m.__dict__.get(name))
                                 and name not in MODULE_INTERNALS]
+        self.written_scalars += [(obj, name, getattr(obj, name)) for obj, name in configs.values()
+                                 if is_setting(name, getattr(obj, name, None))]
         flat, self.output_spec = tree_flatten(outputs)
         bad = [type(o).__name__ for o in flat if not isinstance(o, torch.Tensor) and o is not None]
         if bad:
@@ -420,8 +428,11 @@ class CapturedSignature:
     def replay_forward(self, inputs: Sequence[torch.Tensor]) -> None:
         if self.attributes is not None:  # an eager call (validation) may have bound them to its own tensors
             self.attributes.rebind_written()
-        for module, name, value in self.written_scalars:
-            module.__dict__[name] = value
+        for where, name, value in self.written_scalars:
+            if type(where) is dict:
+                where[name] = value
+            else:
+                object.__setattr__(where, name, value)  # a config object
         for static, new in zip(self.static_inputs, inputs):
             if static.data_ptr() != new.data_ptr():
                 static.copy_(new)
