@@ -205,7 +205,7 @@ def snapshot(value: Any, fields_read: Optional[FieldsRead] = None) -> Any:
     containers beyond that compare by identity), tensors and modules by identity, anything else itself (numbers
     and strings compare by value, other objects as their ``==`` does, by identity unless they define it). Of a
     config object in ``fields_read`` (:func:`~..graphed.settings.recording_config_reads`), the fields read only."""
-    return _copied(value, 0, [_COMPARED], fields_read or FieldsRead())
+    return _copied(value, 0, [_COMPARED], fields_read or _NO_READS)
 
 
 def _copied(value: Any, depth: int, budget: List[int], fields_read: FieldsRead) -> Any:
@@ -231,6 +231,7 @@ def _copied(value: Any, depth: int, budget: List[int], fields_read: FieldsRead) 
 
 
 _PLAIN = frozenset((bool, int, float, str, type(None)))
+_NO_READS = FieldsRead()  # (none recorded: all fields of a config count)
 
 
 def value_change(name: str, before: Any, now: Any) -> Optional[str]:

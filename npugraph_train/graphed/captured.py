@@ -26,7 +26,7 @@ from .errors import GraphCaptureError, GraphStateError
 from .graphs import Graph, graph
 from .host_random import HostRandom
 from .attribute_reads import assigned_since, assignment_count
-from .settings import recording_config_reads
+from .settings import ModuleSettings, recording_config_reads
 from .signatures import Signature, describe_signature, unique_tensors
 from .state_attributes import (MODULE_INTERNALS, StateAttributes, StorageReads, attribute_path, carried_state_message,
                                is_setting, storage_address, tensors_in)
@@ -428,11 +428,8 @@ class CapturedSignature:
     def replay_forward(self, inputs: Sequence[torch.Tensor]) -> None:
         if self.attributes is not None:  # an eager call (validation) may have bound them to its own tensors
             self.attributes.rebind_written()
-        for where, name, value in self.written_scalars:
-            if type(where) is dict:
-                where[name] = value
-            else:
-                object.__setattr__(where, name, value)  # a config object
+        if self.written_scalars:
+            ModuleSettings.put_back(self.written_scalars)
         for static, new in zip(self.static_inputs, inputs):
             if static.data_ptr() != new.data_ptr():
                 static.copy_(new)
