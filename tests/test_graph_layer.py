@@ -248,6 +248,19 @@ def test_a_selection_by_mask_is_refused_with_its_fixed_shape_form():
     assert torch.equal(out, eager) and torch.allclose(out, x[mask].mean())
 
 
+def test_ops_on_sparse_tensors_are_refused_naming_them():
+    weight = torch.randn(10, 3, requires_grad=True)
+    idx = torch.tensor([1, 4])
+
+    def sparse_grad():
+        out = nn.functional.embedding(idx, weight, sparse=True)
+        return torch.autograd.grad(out.sum(), weight)[0]
+
+    with pytest.raises(GraphCaptureError, match=r"works on sparse tensors \(nn.Embedding\(sparse=True\) gradients, "
+                                                r"torch.sparse\).*use dense tensors \(sparse=False\)"):
+        _replayed(sparse_grad)
+
+
 def test_counts_and_repeats_are_refused_with_their_fixed_shape_forms():
     labels, reps = torch.tensor([1, 0, 3, 0]), torch.tensor([1, 2, 1, 1])
     with pytest.raises(GraphCaptureError, match=r"bincount.*count into a fixed length instead: torch\.zeros\(K"):

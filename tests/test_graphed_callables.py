@@ -1636,6 +1636,12 @@ class TestModuleState:
         with pytest.warns(RuntimeWarning, match=r"Scaled: a parameter's storage was replaced \(p.data = ...\); "):
             ng.graphed_state(graphed)._warned.discard("recapture:memory")
             step(lambda m: setattr(m.lin.weight, "data", nn.functional.normalize(m.lin.weight.data, dim=1)))
+        for how in ("data", "set_"):  # the same buffer object, in new memory
+            with pytest.warns(RuntimeWarning, match=r"Scaled: the tensor in its attribute scale was given new memory "
+                                                    r"\(scale.data = \.\.\., scale.set_"):
+                ng.graphed_state(graphed)._warned.discard("recapture:memory")
+                step(lambda m: setattr(m.scale, "data", m.scale * 0.5) if how == "data"
+                     else m.scale.set_(m.scale * 0.5))
         step()
         assert sum(state.eager_calls.values()) == 2, "only the eval calls"
 
@@ -2240,3 +2246,31 @@ def test_a_post_accumulate_grad_hook_keeping_the_gradient_gets_its_own():
         model.weight.grad = None
         model(torch.randn(2, 3) * scale).sum().backward()
     assert not torch.equal(kept[0], kept[1]) and kept[1] is model.weight.grad
+
+
+def test_an_output_the_loss_does_not_use_is_warned_about_and_its_backward_gets_zeros():
+    class WithNorm(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+
+        def forward(self, x):
+            h = self.lin(x)
+            return torch.tanh(h), h.pow(2).sum(-1)  # the second: a diagnostic, only logged
+
+    torch.manual_seed(0)
+    eager = WithNorm()
+    graphed = ng.make_graphed_callables(copy.deepcopy(eager), (torch.zeros(3, 4),))
+    for step in range(3):
+        x = torch.randn(3, 4)
+        for model in (eager, graphed):
+            out, _ = model(x)
+            if model is graphed and step == 0:
+                with pytest.warns(RuntimeWarning, match=r"WithNorm: output 1 \(in flattened order\) got no gradient "
+                                                        r"in a backward.*Return it detached"):
+                    out.sum().backward()
+            else:
+                out.sum().backward()
+        assert all(torch.equal(a.grad, b.grad) for a, b in zip(eager.parameters(), graphed.parameters()))
+        for model in (eager, graphed):
+            model.zero_grad()

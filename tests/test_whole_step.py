@@ -1865,3 +1865,167 @@ def test_disjoint_views_of_one_batch_tensor_written_in_place_are_captured(kind):
     callback = NPUGraphCallback(mode="whole_step")
     graphed = run([callback])
     assert callback.report()[0]["replays"] >= 4 and _same(run([]), graphed)
+
+
+class ChangesClipping(Callback):
+    def __init__(self, name, value, at_step=6):
+        self.name, self.value, self.at_step = name, value, at_step
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if trainer.global_step == self.at_step:
+            setattr(trainer, self.name, self.value)
+
+
+@pytest.mark.parametrize("name, value", [("gradient_clip_val", 0.01), ("gradient_clip_algorithm", "value")])
+def test_clipping_changed_on_the_trainer_after_capture_is_captured_again(name, value):
+    # Lightning passes trainer.gradient_clip_val/_algorithm to its clipping call inside the captured step
+    runs = []
+    for graphed in (None, {}):
+        torch.manual_seed(0)
+        model = Scheduled()
+        callbacks = [ChangesClipping(name, value)] + ([NPUGraphCallback(mode="whole_step")] if graphed is not None
+                                                      else [])
+        t = trainer(callbacks, max_steps=16, val_check_interval=None, limit_val_batches=0, gradient_clip_val=1.0)
+        if graphed is None:
+            t.fit(model, loaders()[0])
+        else:
+            with pytest.warns(UserWarning, match=f"trainer.{name} changed from .* to .*captured again"):
+                t.fit(model, loaders()[0])
+        runs.append((model, t))
+    assert _same(runs[0][0], runs[1][0])
+    report = runs[1][1].callbacks[-1].report()[0]
+    assert report["captures"] == 2 and f"trainer.{name} changed" in report["signatures"][-1]["description"]
+
+
+class AccumulatesFromSetup(Scheduled):
+    def setup(self, stage):
+        self.trainer.accumulate_grad_batches = 3  # after the callback's fit-start check
+
+
+def test_accumulation_set_after_the_fit_start_check_runs_eager_with_a_warning():
+    def run(callbacks):
+        torch.manual_seed(0)
+        model = AccumulatesFromSetup()
+        t = trainer(callbacks, max_steps=6, val_check_interval=None, limit_val_batches=0)
+        t.fit(model, loaders()[0])
+        return model, t
+
+    eager, t_eager = run([])
+    with pytest.warns(RuntimeWarning, match=r"ran eager: gradient accumulation \(accumulate_grad_batches=3"):
+        graphed, t = run([NPUGraphCallback(mode="whole_step")])
+    assert t.global_step == t_eager.global_step == 6 and _same(eager, graphed)
+    report = t.callbacks[-1].report()[0]
+    assert report["replays"] == 0 and sum(report["eager_calls"].values()) == 18 - 3  # all but the warmup steps
+
+
+class BufferWeighted(Scheduled):
+    def __init__(self, how, **kwargs):
+        super().__init__(**kwargs)
+        self.how = how
+        self.register_buffer("weight", torch.tensor(1.0))
+
+    def training_step(self, batch, batch_idx):
+        return super().training_step(batch, batch_idx) * self.weight
+
+    def on_train_batch_start(self, batch, batch_idx):
+        if self.trainer.global_step == 6:  # annealed once, by giving the buffer new memory
+            if self.how == "data":
+                self.weight.data = torch.tensor(0.25)
+            else:
+                self.weight.set_(torch.tensor(0.25))
+
+
+@pytest.mark.parametrize("how", ["data", "set_"])
+def test_buffer_given_new_memory_is_captured_again(how):
+    def run(callbacks):
+        torch.manual_seed(0)
+        model = BufferWeighted(how)
+        trainer(callbacks, max_steps=12, val_check_interval=None, limit_val_batches=0).fit(model, loaders()[0])
+        return model
+
+    eager = run([])
+    callback = NPUGraphCallback(mode="whole_step")
+    with pytest.warns(UserWarning, match=r"the tensor in weight was given new memory \(weight.data = "):
+        graphed = run([callback])
+    assert _same(eager, graphed) and callback.report()[0]["captures"] == 2
+
+
+class KeepsLastFeatures(Scheduled):
+    def forward(self, x):
+        h = self.embed(x)
+        self.last_features = h.detach()  # written by every forward, training's and validation's
+        for block in self.blocks:
+            h = block(h)
+        return self.head(h)
+
+
+def test_attribute_written_by_a_validation_forward_after_the_last_replay_is_kept():
+    def run(callbacks):
+        torch.manual_seed(0)
+        model = KeepsLastFeatures()
+        train, val = loaders()
+        trainer(callbacks, max_steps=10, val_check_interval=5, check_val_every_n_epoch=None).fit(model, train, val)
+        return model
+
+    eager, graphed = run([]), run([NPUGraphCallback(mode="whole_step")])
+    assert eager.last_features.shape[0] == 8 and torch.equal(eager.last_features, graphed.last_features)
+
+
+class GradientPenalty(Scheduled):
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        x.requires_grad_(True)  # R1-style penalty on the input gradient
+        out = self(x)
+        grad, = torch.autograd.grad(out.sum(), x, create_graph=True)
+        return nn.functional.mse_loss(out, y) + 0.1 * grad.pow(2).sum(1).mean()
+
+
+def test_batch_tensor_made_to_require_grad_in_the_step_replays():
+    def run(callbacks):
+        torch.manual_seed(0)
+        model = GradientPenalty()
+        trainer(callbacks, max_steps=8, val_check_interval=None, limit_val_batches=0).fit(
+            model, loaders(n=64)[0])
+        return model
+
+    callback = NPUGraphCallback(mode="whole_step")
+    graphed = run([callback])
+    assert callback.report()[0]["replays"] == 5 and _same(run([]), graphed)
+
+
+def test_sparse_embedding_is_refused_at_fit_start_naming_it():
+    class Embeds(Scheduled):
+        def __init__(self):
+            super().__init__()
+            self.table = nn.Embedding(10, 4, sparse=True)
+
+    with pytest.raises(MisconfigurationException, match=r"cannot capture table \(Embedding\(sparse=True\)\).*"
+                                                        "use sparse=False"):
+        trainer([NPUGraphCallback(mode="whole_step")], max_steps=2).fit(Embeds(), *loaders())
+
+
+def test_resume_of_a_scheduler_made_over_a_converted_optimizer_computes_as_the_uninterrupted_fit(tmp_path):
+    # The checkpoint holds the scheduler's lrs as floats (resumable without npugraph_train); LambdaLR multiplies
+    # base_lrs, in float32 for the tensors it had, in double for floats
+    class Lambda(Scheduled):
+        def configure_optimizers(self):
+            opt = make_capturable(torch.optim.AdamW(self.parameters(), lr=0.01))
+            schedule = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: (s + 1) / 5 if s < 5 else 0.5 ** ((s - 5) / 7))
+            return {"optimizer": opt, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
+
+    def run(ckpt_path=None):
+        torch.manual_seed(0)
+        model = Lambda()
+        trace = Trace()
+        saves = ModelCheckpoint(tmp_path / ("resumed" if ckpt_path else "whole"), every_n_train_steps=16,
+                                save_top_k=-1)  # at an epoch's end
+        t = trainer([trace, saves, NPUGraphCallback(mode="whole_step")], max_steps=24, val_check_interval=None,
+                    limit_val_batches=0, enable_checkpointing=True)
+        t.fit(model, loaders(n=64)[0], ckpt_path=ckpt_path)
+        return model, [row[3] for row in trace.rows if row[3]]  # (epoch-end rows hold 0.0)
+
+    whole, lrs = run()
+    path = next((tmp_path / "whole").glob("*step=16.ckpt"))
+    assert torch.load(path, weights_only=False)["lr_schedulers"][0]["base_lrs"] == [0.01]
+    resumed, resumed_lrs = run(path)
+    assert resumed_lrs == lrs[16:] and _same(whole, resumed)

@@ -38,6 +38,7 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from ..config import NPUGraphConfig, unknown_settings_error
 from ..graphed.backends import backend_for_device
 from ..optim import make_capturable, plain_scheduler_state
+from ..optim.capturable import retensor_lrs, tensor_lrs
 from .report import NOT_CAPTURED, format_report
 from .step_logs import monitor_plain_lrs, progress_bar_step_values
 from .step_setup import check_trainer
@@ -79,6 +80,7 @@ class NPUGraphCallback(Callback):
         self._step = 0
         self._fits_captured = 0
         self._undo_monitors: Callable[[], None] = _nothing
+        self._tensor_lrs: List[Any] = []  # see on_fit_start
 
     @classmethod
     def from_config(cls, cfg: Union[NPUGraphConfig, Mapping[str, Any], Any], **overrides: Any) -> "NPUGraphCallback":
@@ -153,6 +155,10 @@ class NPUGraphCallback(Callback):
         if self._grapher is not None or self._whole is not None:
             # Converted optimizers (whole_step's, or the user's make_capturable) keep lrs in device tensors.
             self._undo_monitors = monitor_plain_lrs(trainer)
+            # Checkpoints hold schedulers' lrs as floats (on_save_checkpoint); those of schedulers made over a
+            # converted optimizer are made tensors again after a resume restored them (on_train_start).
+            self._tensor_lrs = [place for config in trainer.lr_scheduler_configs
+                                for place in tensor_lrs(config.scheduler)]
         if self._grapher is not None:
             # Not at setup: the module's own setup() and configure_model() build layers after callbacks' setup.
             self._grapher.setup(pl_module)
@@ -162,6 +168,8 @@ class NPUGraphCallback(Callback):
 
     def on_train_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         self._step = 0  # counted within this fit, also after resuming: a resumed run captures anew
+        retensor_lrs(self._tensor_lrs)
+        self._tensor_lrs = []
         if self._whole is not None and self.config.convert_optimizers:
             make_capturable(trainer.optimizers[0])  # again: resuming replaced state tensors after on_fit_start
 

@@ -6,14 +6,16 @@ then. So at capture, tensor attributes in which the step carries state from step
 Python values it changes (``.host_state``) and schedulers it steps; host reads of ``global_step``/``current_epoch``
 and Python values in the step's outputs are warned about;
 before each replay, :class:`BakedSetup` finds what changed since capture (the optimizer and its state,
-param-group settings, train/eval flags, ``requires_grad``, parameter storage, settings of the modules and
-the LightningModule's attributes and ``hparams`` entries (:mod:`.hparams`) the step read, hooks of modules,
-parameters and the optimizer, and at each epoch's first batch parameters and buffers), so that the step is
-captured again instead of replaying a stale setup.
+param-group settings, the trainer's clipping settings, train/eval flags, ``requires_grad``, parameter storage,
+the memory of tensors bound to attributes the step read, settings of the modules and the LightningModule's
+attributes and ``hparams`` entries (:mod:`.hparams`) the step read, hooks of modules, parameters and the
+optimizer, and at each epoch's first batch parameters and buffers), so that the step is captured again
+instead of replaying a stale setup.
 """
 from __future__ import annotations
 
 import contextlib
+import enum
 import functools
 import itertools
 import operator
@@ -304,6 +306,18 @@ def _class_held_value(cls: type, name: str) -> bool:
     return value is None or type(value) in SCALAR_TYPES or isinstance(value, types.MemberDescriptorType)
 
 
+# Trainer attributes the captured step reads on the host: Lightning passes them to its clipping call.
+_CLIPPING = ("gradient_clip_val", "gradient_clip_algorithm")
+
+
+def _clipping(trainer: Optional["pl.Trainer"]) -> List[Any]:
+    return [getattr(trainer, name, None) for name in _CLIPPING]
+
+
+def _plain(value: Any) -> Any:
+    return value.value if isinstance(value, enum.Enum) else value  # GradClipAlgorithmType.NORM: 'norm'
+
+
 def _attribute(module: torch.nn.Module, name: str) -> Any:
     """An attribute as the module holds it (a module or parameter assigned goes to _modules or _parameters)."""
     values = vars(module)
@@ -316,6 +330,7 @@ class BakedSetup:
     def __init__(self) -> None:
         self._lrs: List[Any] = []  # per param group: the lr tensor the graph reads (or the float it froze)
         self._settings: List[Dict[str, Any]] = []  # per param group, all but its params
+        self._clipping: List[Any] = []
         self._sizes: List[int] = []
         self._flagged_modules: List[torch.nn.Module] = []
         self._training: List[bool] = []
@@ -339,8 +354,9 @@ class BakedSetup:
         self._object_values: tuple = ()
         self._hparams_values: tuple = ()
         # Attributes bound to tensors the step read (a buffer, a loss weight kept as a tensor): labels, the dicts
-        # holding them, their keys, and the tensors bound at capture.
+        # holding them, their keys, and the tensors bound at capture; and the memory each tensor had then.
         self._bound: Tuple[list, list, list, list] = ([], [], [], [])
+        self._bound_memory: List[int] = []
         self._kept_grads: List[Tuple[torch.Tensor, torch.Tensor]] = []
 
     def track_lrs(self, groups: List[Dict[str, Any]]) -> None:
@@ -370,6 +386,7 @@ class BakedSetup:
         ``hparams_read``: the keys of ``module.hparams`` it read (:func:`.hparams.recording_hparams_reads`);
         ``fields_read``: the fields of config objects it read (:func:`~..graphed.settings.recording_config_reads`)."""
         self._bound = columns(bindings, 4)
+        self._bound_memory = list(map(torch.Tensor.data_ptr, self._bound[3]))
         # Gradients of frozen parameters that the captured optimizer step reads (zero_grad(set_to_none=False) kept
         # them) and no backward writes: eager steps stop updating such a parameter once its .grad is None.
         self._kept_grads = [(p, p.grad) for group in optimizer.param_groups for p in group["params"]
@@ -415,6 +432,7 @@ class BakedSetup:
         groups = optimizer.param_groups
         self._lrs = [group["lr"] for group in groups]
         self._settings = [{k: v for k, v in group.items() if k != "params"} for group in groups]
+        self._clipping = _clipping(getattr(module, "_trainer", None))
         self._sizes = [len(group["params"]) for group in groups]
         self._flagged_modules = list(module.modules())
         self._training = [m.training for m in self._flagged_modules]
@@ -451,12 +469,12 @@ class BakedSetup:
     def change(self, module: "pl.LightningModule", optimizer: torch.optim.Optimizer,
                batch_idx: int) -> Optional[Tuple[str, str]]:
         """(kind, description) of what changed since capture that the graph baked in, or None. The optimizer,
-        param groups, train/eval flags, requires_grad, parameter storage, tensors bound to attributes the step
-        read, frozen parameters' kept gradients, module settings, which module each submodule is, and the
-        module's other attributes and hparams entries the step read are checked every step (8 µs for 12
-        parameters in 12 modules, 30 µs per 100 more); hooks whenever one was registered (each takes a handle
-        id); parameters, buffers and hooks at each epoch's first batch (where callbacks such as ModelPruning
-        change them)."""
+        param groups, the trainer's clipping settings, train/eval flags, requires_grad, parameter storage, tensors
+        bound to attributes the step read (and their memory), frozen parameters' kept gradients, module settings,
+        which module each submodule is, and the module's other attributes and hparams entries the step read are
+        checked every step (8 µs for 12 parameters in 12 modules, 30 µs per 100 more); hooks whenever one was
+        registered (each takes a handle id); parameters, buffers and hooks at each epoch's first batch (where
+        callbacks such as ModelPruning change them)."""
         if optimizer is not self._optimizer:
             return "optimizer", "the optimizer was replaced (trainer.optimizers)"
         if optimizer.state is not self._state:
@@ -468,6 +486,10 @@ class BakedSetup:
         if changed is not None:
             index, key = changed
             return f"setting {key}", f"param group {index}'s {key!r} changed"
+        clipping = _clipping(getattr(module, "_trainer", None))
+        if clipping != self._clipping:
+            name, old, new = next(c for c in zip(_CLIPPING, self._clipping, clipping) if c[1] != c[2])
+            return "settings", f"trainer.{name} changed from {_plain(old)!r} to {_plain(new)!r}"
         if [m.training for m in self._flagged_modules] != self._training:
             return "mode", "modules were switched between train() and eval()"
         if [p.requires_grad for p in self._params] != self._requires_grad:
@@ -483,6 +505,12 @@ class BakedSetup:
             label = next(label for label, d, k, t in zip(*self._bound) if d.get(k) is not t)
             return "bound tensor", (f"the tensor in {label} was replaced ({label} = ...; fill it in place, "
                                     f"{label}.copy_(...) or .fill_(...), to keep the graph)")
+        if list(map(torch.Tensor.data_ptr, tensors)) != self._bound_memory:
+            label = next(label for label, t, address in zip(self._bound[0], tensors, self._bound_memory)
+                         if t.data_ptr() != address)
+            return "bound tensor", (f"the tensor in {label} was given new memory ({label}.data = ... or "
+                                    f"{label}.set_(...); fill it in place, {label}.copy_(...) or .fill_(...), to "
+                                    "keep the graph)")
         labels, dicts, names, children = self._children
         if not slots_hold(dicts, names, children):
             label, old, new = next((label, c, d.get(n)) for label, d, n, c in zip(*self._children) if d.get(n) is not c)

@@ -44,6 +44,10 @@ def check_trainer(trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> Non
     if is_param_in_hook_signature(pl_module.training_step, "dataloader_iter", explicit=True):
         refuse("a training_step that takes dataloader_iter (the batch is not an argument)",
                "take `batch` in training_step")
+    sparse = next(((name, m) for name, m in pl_module.named_modules() if getattr(m, "sparse", False) is True), None)
+    if sparse is not None:
+        refuse(f"{sparse[0]} ({type(sparse[1]).__name__}(sparse=True)), whose sparse gradients a device sizes on the "
+               "host", "use sparse=False")
     for cb in trainer.callbacks:
         if isinstance(cb, (BaseFinetuning, StochasticWeightAveraging)):
             refuse(f"with {type(cb).__name__}, which changes the trained parameters or optimizer during fit",

@@ -17,6 +17,7 @@ recorded at capture and logged again after each replay (:mod:`.step_logs`).
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import time
@@ -128,6 +129,7 @@ class WholeStepGrapher:
         self.failed = False
         self.static_leaves: List[Any] = []
         self.written_leaves: List[int] = []  # batch tensors the step writes in place, copied back after a replay
+        self.leaves_require_grad = False
         self.key: Optional[BatchKey] = None
         self.previous_key: Optional[BatchKey] = None  # the previous training step's batch
         self.capture_delay = 0
@@ -302,6 +304,7 @@ class WholeStepGrapher:
             rank_zero_warn(f"NPUGraphCallback(mode='whole_step'): the training step {self.status}")
             return run_eager("capture failed (on_failure='eager')")
         self.attributes = attributes
+        self.leaves_require_grad = any(isinstance(t, torch.Tensor) and t.requires_grad for t in self.static_leaves)
         self.key = key
         self.capture_seconds = time.perf_counter() - started
         self.pool_bytes = self.graph.pool_bytes()
@@ -364,9 +367,12 @@ class WholeStepGrapher:
         if self.config.auto_dispatch_capture:
             self.graph.update(getattr(loop.trainer.lightning_module, UPDATE_HOOK)(batch))
         if leaves is not None:
-            for static, new in zip(self.static_leaves, leaves):
-                if isinstance(static, torch.Tensor) and static.data_ptr() != new.data_ptr():
-                    static.copy_(new, non_blocking=True)
+            # (under no_grad where the step made a batch tensor require grad: x.requires_grad_() for a gradient
+            # penalty leaves a leaf, which autograd refuses to write in place otherwise)
+            with torch.no_grad() if self.leaves_require_grad else contextlib.nullcontext():
+                for static, new in zip(self.static_leaves, leaves):
+                    if isinstance(static, torch.Tensor) and static.data_ptr() != new.data_ptr():
+                        static.copy_(new, non_blocking=True)
         self.graph.replay()
         self.replays += 1
         if self.written_leaves:  # the step wrote its batch in place: hooks after it read the DataLoader's
@@ -461,6 +467,13 @@ class _WholeStepOptimization(_AutomaticOptimization):
             return self.eager_step(optimizer, batch_idx, kwargs, "capture failed (on_failure='eager')")
         if grapher.unsettled:
             return self.eager_step(optimizer, batch_idx, kwargs, grapher.unsettled)
+        accumulate = self.trainer.accumulate_grad_batches
+        if accumulate != 1 and grapher.active:
+            # Set after the fit-start refusal (in the module's setup(), by a callback): micro-batches that do not
+            # step run another step than the captured one. Lightning's loop runs them right.
+            return self.eager_step(optimizer, batch_idx, kwargs, f"gradient accumulation (accumulate_grad_batches="
+                                   f"{accumulate}, set after the fit started), which a captured step cannot run; keep "
+                                   "it 1 (a larger batch), or use mode='submodules'", kind="accumulation")
         opt = unwrap(optimizer)
         if opt is not grapher.optimizer:  # trainer.optimizers replaced; change() below captures again
             grapher.adopt_optimizer(self.trainer)

@@ -192,6 +192,7 @@ class GraphedCallable:
         watched = [slot for place, slot in slots.items() if place not in written]
         self._bound_labels, self._bound_dicts, self._bound_names = columns(watched, 3)
         self._bound_seen = self._bound_now()
+        self._bound_memory = _memory(self._bound_seen)  # (a buffer's .data = ... keeps the tensor, not its memory)
 
     def _bound_now(self) -> List[Any]:
         return list(map(dict.get, self._bound_dicts, self._bound_names))
@@ -206,6 +207,11 @@ class GraphedCallable:
                          if now is not was)
             return (f"the tensor in its attribute {label} was replaced ({label} = ...)",
                     f"fill it in place ({label}.copy_(...), .fill_(...)) to keep the graphs")
+        if _memory(self._bound_seen) != self._bound_memory:
+            label = next(label for label, was, now in zip(self._bound_labels, self._bound_memory,
+                                                          _memory(self._bound_seen)) if now != was)
+            return (f"the tensor in its attribute {label} was given new memory ({label}.data = ..., "
+                    f"{label}.set_(...))", f"fill it in place ({label}.copy_(...), .fill_(...)) to keep the graphs")
         return None
 
     def call_original(self, *args: Any, **kwargs: Any) -> Any:
@@ -394,14 +400,28 @@ class GraphedCallable:
         out = self.call_original(*args, **kwargs)
         self.settings = adopted(self.settings, before, self.module_settings.read())
         # Tensors the forward rebinds are its own; one rebound before this call is still a change for the graphs.
-        self._bound_seen = [now if now is not was else seen
-                            for seen, was, now in zip(self._bound_seen, bound, self._bound_now())]
+        rebound = [now is not was for was, now in zip(bound, self._bound_now())]
+        if any(rebound):
+            self._bound_seen = [now if new else seen for seen, now, new in zip(self._bound_seen, self._bound_now(),
+                                                                                rebound)]
+            self._bound_memory = [now if new else seen for seen, now, new in zip(self._bound_memory,
+                                                                                  _memory(self._bound_seen), rebound)]
         return out
 
     def _warn_recapture(self, what: str, kind: str) -> None:
         self._warn_once(f"recapture:{kind}", f"npugraph_train: {self.name}: {what}; its graphs are captured again "
                         f"for the new setting (later recaptures for this reason{self._warned_with} are only counted in "
                         "the report)")
+
+    def warn_unused_output(self, index: int) -> None:
+        """Warn that output ``index`` got no gradient in a backward, which its graphs replay as zeros."""
+        self._warn_once("unused output", (
+            f"npugraph_train: {self.name}: output {index} (in flattened order) got no gradient in a backward (the loss "
+            "does not use it), but the graphs replay the backward of every output that requires grad, this one's "
+            "with a zero gradient. That gives eager's gradients unless this output's backward makes inf or NaN "
+            "(sqrt or log at 0, as in a norm of a padded row) or a custom autograd.Function treats a missing "
+            "gradient apart from zeros. Return it detached (out.detach()), or leave it out, to keep its backward out "
+            f"of the graphs (later calls{self._warned_with} are not warned)"))
 
     def _warn_once(self, kind: str, message: str) -> None:
         if kind not in self._warned:
@@ -468,6 +488,10 @@ class GraphedForward:
         if self.state.instance_forward is not None:
             return _same, (self.state.instance_forward,)
         return _plain_forward, (self.state.func,)
+
+
+def _memory(values: List[Any]) -> List[Optional[int]]:
+    return [t.data_ptr() if isinstance(t, torch.Tensor) else None for t in values]
 
 
 def _plain_forward(module: nn.Module) -> Callable:

@@ -452,6 +452,7 @@ class CapturedSignature:
                 ctx.handles, ctx.upstream = RemovableHandle.next_id, [t.grad_fn for t in inputs[:num_user]]
                 ctx.in_checkpoint = in_checkpoint_forward()
                 outputs = tuple(o.detach() for o in sig.static_outputs)
+                ctx.set_materialize_grads(False)  # (an output the loss does not use: None, told apart from zeros)
                 if sig.non_differentiable:
                     ctx.mark_non_differentiable(*(outputs[i] for i in sig.non_differentiable))
                 return outputs
@@ -487,8 +488,13 @@ class CapturedSignature:
                         "graph the two in separate pools (separate make_graphed_callables calls)")
                 pool_order.pending.pop(id(sig), None)
                 pool_order.overwrite_after(sig.order, name)
-                for static, grad in zip(sig.static_grad_outputs, grads):
-                    if static is not None and grad is not None and static.data_ptr() != grad.data_ptr():
+                for i, (static, grad) in enumerate(zip(sig.static_grad_outputs, grads)):
+                    if static is None:
+                        continue
+                    if grad is None:
+                        static.zero_()
+                        sig.owner.warn_unused_output(i)
+                    elif static.data_ptr() != grad.data_ptr():
                         static.copy_(grad)
                 # A .grad that adopted this buffer in an earlier backward and still holds it (accumulation
                 # across calls, zero_grad(set_to_none=False)) would be overwritten by the replay, and then

@@ -243,6 +243,7 @@ class StateAttributes:
         self._own_ids = {id(t) for t in own_tensors}
         # (module path, module, "_buffers" or "__dict__", attribute, value, its snapshot)
         self._before: List[Tuple[str, torch.nn.Module, str, str, Any, _Snapshot]] = []
+        self._copies: List[Any] = []  # what bind_copies bound last, per written attribute
         # Host values beside them (a cache's length: restored together with the cache it describes).
         self._scalars: List[Tuple[torch.nn.Module, str, Any]] = []
         # Plain Python objects that ``holders`` accepts (metric objects) keep tensor state the same way.
@@ -355,8 +356,16 @@ class StateAttributes:
                 return t
             return t.detach().clone() if final else t.clone()
 
-        for _, module, where, attr, value, _ in self.written:
-            getattr(module, where)[attr] = tree_map(copied, value)
+        bound = []
+        for i, (_, module, where, attr, value, _) in enumerate(self.written):
+            slots = getattr(module, where)
+            if final and slots.get(attr) is not value and (i >= len(self._copies) or
+                                                            slots.get(attr) is not self._copies[i]):
+                bound.append(slots.get(attr))  # an eager call after the last replay (validation) wrote its own
+                continue
+            slots[attr] = tree_map(copied, value)
+            bound.append(slots[attr])
+        self._copies = bound
 
     def rebind_written(self) -> None:
         """Bind written-only attributes to the graph's tensors again (an eager step may have rebound them)."""

@@ -32,7 +32,7 @@ import functools
 import importlib
 import struct
 import weakref
-from typing import Any, Dict, Iterator, List, SupportsIndex, Type
+from typing import Any, Dict, Iterator, List, SupportsIndex, Tuple, Type
 
 import torch
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
@@ -224,6 +224,24 @@ def plain_scheduler_state(scheduler: Any, state: Dict[str, Any]) -> Dict[str, An
         return state
 
     return plain(state)
+
+
+def tensor_lrs(scheduler: Any) -> List[Tuple[Any, str, int, torch.Tensor]]:
+    """(scheduler, list name, index, tensor) of each learning rate that ``scheduler``, or one it chains, keeps as
+    a tensor: one made over a converted optimizer. A checkpoint holds them as floats (:func:`plain_scheduler_state`);
+    :func:`retensor_lrs` makes them tensors again after a resume restored it, so that the resumed fit computes as
+    the uninterrupted one (``LambdaLR`` multiplies ``base_lrs``: a tensor in float32, a float in double)."""
+    return [(inner, key, i, lr) for inner in chained_schedulers(scheduler) for key in _SCHEDULER_LR_LISTS
+            for i, lr in enumerate(getattr(inner, key, None) or ()) if isinstance(lr, torch.Tensor)]
+
+
+def retensor_lrs(places: List[Tuple[Any, str, int, torch.Tensor]]) -> None:
+    """Make the learning rates of :func:`tensor_lrs` that a restored state gave as floats tensors again (exactly:
+    each float is the shortest decimal of its float32)."""
+    for scheduler, key, i, kept in places:
+        lrs = getattr(scheduler, key, None)
+        if isinstance(lrs, list) and i < len(lrs) and not isinstance(lrs[i], torch.Tensor):
+            lrs[i] = torch.tensor(lrs[i], dtype=kept.dtype, device=kept.device)
 
 
 def _capturable_class(cls: Type[Optimizer]) -> Type[Optimizer]:

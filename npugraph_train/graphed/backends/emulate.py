@@ -415,6 +415,10 @@ class _Recorder(TorchDispatchMode):
                 snap_args, snap_kwargs = tree_map(lambda v: v.detach() if isinstance(v, torch.Tensor) else v,
                                                   (args, kwargs))
             out = func(*args, **kwargs)
+            if any(t.layout != torch.strided for t in _tensors((args, kwargs, out))):
+                raise _capture_error(f"op {func} works on sparse tensors (nn.Embedding(sparse=True) gradients, "
+                                     "torch.sparse), whose size a device computes on the host",
+                                     ": use dense tensors (sparse=False), or keep this computation eager")
             self.graph._record(func, args, kwargs, out, functools.partial(func, *snap_args, **snap_kwargs))
             return out
         return self.graph._record_updatable(func, args, kwargs, handler)
