@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn as nn
+from lightning.pytorch.utilities import grad_norm
 
 import npugraph_train.graphed as ng
 from npugraph_train.graphed import GraphCaptureError
@@ -355,6 +356,10 @@ class _UserPosterior(torch.distributions.Distribution):
      r"factorizes its precision_matrix.*_precision_to_scale_tril's recipe"),
     (lambda: torch.distributions.MultivariateNormal(_SPD[0], _SPD, validate_args=False).rsample(),
      r"cholesky_ex.*, in torch.distributions.MultivariateNormal, which factorizes.*pass scale_tril="),
+    (lambda: _FAKE_QUANT(_SPD), r", in torch\.ao\.quantization\.FakeQuantize, which reads its observer_enabled.*"
+                                r"use FusedMovingAvgObsFakeQuantize"),
+    (lambda: grad_norm(_WITH_GRAD, 2), r", in lightning's grad_norm, which stacks the per-parameter norms.*call it "
+                                       r"after the step \(on_train_batch_end"),
 ])
 def test_ops_whose_device_kernels_read_on_the_host_are_refused(op, why):
     # On CPU these read their data inside ATen, out of the recorder's sight; a device capture fails on them.
@@ -363,6 +368,12 @@ def test_ops_whose_device_kernels_read_on_the_host_are_refused(op, why):
     # Not in the quoted source line, which holds the expected words too.
     source = linecache.getline(op.__code__.co_filename, op.__code__.co_firstlineno).strip()
     assert source and re.search(why, str(caught.value).replace(source, "")), str(caught.value)
+
+
+_FAKE_QUANT = torch.ao.quantization.FakeQuantize()
+_WITH_GRAD = nn.Linear(2, 2)
+for _p in _WITH_GRAD.parameters():
+    _p.grad = torch.ones_like(_p)
 
 
 class _ContextLocalProxy:

@@ -1318,7 +1318,9 @@ class TestErrors:
     def test_hooks_named(self):
         model = nn.Sequential(nn.Linear(2, 2), nn.ReLU())
         model[1].register_forward_hook(lambda *a: None)
-        with pytest.raises(ng.GraphCaptureError, match=r"encoder\.1 has module hooks \(forward_hooks\)"):
+        with pytest.raises(ng.GraphCaptureError, match=r"encoder\.1 has module hooks \(forward_hooks: "
+                                                       r"tests\.test_graphed_callables\.TestErrors\.test_hooks_named"
+                                                       r"\.<locals>\.<lambda>\).*mode='whole_step' captures"):
             ng.make_graphed_callables(model, (torch.zeros(1, 2),), names=["encoder"])
 
     def test_buffer_requiring_grad(self):
@@ -1768,6 +1770,15 @@ class TestModuleState:
         with pytest.raises(ng.GraphCaptureError, match=r"Embedding makes sparse gradients \(sparse=True\).*use sparse"):
             ng.make_graphed_callables(nn.Embedding(10, 4, sparse=True), (torch.zeros(3, dtype=torch.long),),
                                       names=["Embedding"])
+
+    def test_a_lazy_module_not_yet_run_is_refused_with_the_fix(self):
+        lazy = nn.Sequential(nn.LazyLinear(3), nn.ReLU())
+        with pytest.raises(ng.GraphCaptureError, match=r"Sequential.0 is a lazy module \(LazyLinear\) that has not "
+                                                       r"made its parameters yet.*run one forward before graphing"):
+            ng.make_graphed_callables(lazy, (torch.zeros(2, 4),))
+        lazy(torch.zeros(2, 4))
+        ng.make_graphed_callables(lazy, (torch.zeros(2, 4),))
+        assert lazy(torch.ones(2, 4)).shape == (2, 3)
 
     def test_memory_layout_is_part_of_the_signature(self):
         torch.manual_seed(0)

@@ -498,6 +498,11 @@ def _plain_forward(module: nn.Module) -> Callable:
     return types.MethodType(type(module).forward, module)
 
 
+def _function_name(function: Any) -> str:
+    function = getattr(function, "func", function)  # (a functools.partial)
+    return f"{getattr(function, '__module__', None) or ''}.{getattr(function, '__qualname__', type(function).__name__)}"
+
+
 def _same(value: Any) -> Any:
     return value
 
@@ -524,6 +529,10 @@ def _check_callable(func: Callable, name: str, args: tuple, kwargs: Dict[str, An
             if sub_name and isinstance(sub.__dict__.get("forward"), GraphedForward):
                 raise GraphStateError(f"{where} is already graphed, inside {name}: graph either the outer module "
                                       f"(after npugraph_train.graphed.ungraph({where})) or the inner one")
+            if isinstance(sub, nn.modules.lazy.LazyModuleMixin) and sub.has_uninitialized_params():
+                raise refuse(f"{where} is a lazy module ({type(sub).__name__}) that has not made its parameters "
+                             "yet (it makes them in its first forward); run one forward before graphing it (in a "
+                             "Trainer, the callback's warmup steps do)")
             if getattr(sub, "sparse", False) is True:
                 raise refuse(f"{where} makes sparse gradients (sparse=True), which are built with host syncs that a "
                              "graph cannot capture; use sparse=False, or leave this module eager")
@@ -540,9 +549,12 @@ def _check_callable(func: Callable, name: str, args: tuple, kwargs: Dict[str, An
                              "forward, so captured), or leave this module eager")
             hooks = [kind for kind in MODULE_HOOK_KINDS if sub_name and getattr(sub, kind, None)]
             if hooks:
-                raise refuse(f"{where} has module hooks ({', '.join(h.strip('_') for h in hooks)}); hooks of a "
-                             "graphed module's submodules run once at capture and never on replay. Remove them "
-                             "before graphing, or leave this module eager")
+                functions = sorted({_function_name(f) for kind in hooks for f in getattr(sub, kind).values()})
+                raise refuse(f"{where} has module hooks ({', '.join(h.strip('_') for h in hooks)}: "
+                             f"{', '.join(functions)}); hooks of a graphed module's submodules run once at capture "
+                             "and never on replay. Remove them before graphing, or leave this module eager (in a "
+                             "Trainer, mode='whole_step' captures the device work of hooks, such as QAT observers', "
+                             "with the step)")
         for buf_name, buf in func.named_buffers():
             if buf.requires_grad:
                 raise refuse(f"{name}: buffer {buf_name!r} requires grad; graphed modules need buffers with "

@@ -68,6 +68,14 @@ def library_hint(places: Optional[Iterable[Place]] = None) -> str:
                     "negative entries on the host, with no setting to turn it off; compute the loss as it does, "
                     "without the check: var = var.clone(), var.clamp_(min=eps) under torch.no_grad(), then "
                     "0.5 * (torch.log(var) + (input - target) ** 2 / var) and the reduction")
+        elif path == _FAKE_QUANTIZE and function == "forward":
+            return (f", in torch.ao.quantization.{cls.__name__}, which reads its observer_enabled and "
+                    "fake_quant_enabled flags on the host in every call; use FusedMovingAvgObsFakeQuantize, which "
+                    "reads them on the device (torch.ao.quantization.get_default_qat_qconfig(backend) gives it)")
+        elif function == "grad_norm" and path.endswith(_LIGHTNING_GRADS):
+            return (", in lightning's grad_norm, which stacks the per-parameter norms with torch.tensor(list) on the "
+                    "host; call it after the step (on_train_batch_end, where .grad holds the step's gradients), or "
+                    "log torch.linalg.vector_norm(p.grad) per parameter")
         elif path == _CLIP_GRAD and frame.f_locals.get("error_if_nonfinite") is True:
             clip_function = function
     if clip_function is None:
@@ -90,3 +98,6 @@ _DISTRIBUTION = torch.distributions.distribution.__file__
 _MULTIVARIATE_NORMAL = torch.distributions.multivariate_normal.__file__
 _CLIP_GRAD = torch.nn.utils.clip_grad.__file__
 _FUNCTIONAL = torch.nn.functional.__file__
+_FAKE_QUANTIZE = os.path.join(os.path.dirname(torch.__file__), "ao", "quantization", "fake_quantize.py")
+_LIGHTNING_GRADS = (os.path.join("lightning", "pytorch", "utilities", "grads.py"),
+                    os.path.join("pytorch_lightning", "utilities", "grads.py"))  # (endings: no import of Lightning)
