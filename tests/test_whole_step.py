@@ -2029,3 +2029,38 @@ def test_resume_of_a_scheduler_made_over_a_converted_optimizer_computes_as_the_u
     assert torch.load(path, weights_only=False)["lr_schedulers"][0]["base_lrs"] == [0.01]
     resumed, resumed_lrs = run(path)
     assert resumed_lrs == lrs[16:] and _same(whole, resumed)
+
+
+class Annealer:
+    """A plain object of the user's own class that a hook changes (not a dataclass or Namespace)."""
+
+    def __init__(self):
+        self.beta, self.steps_seen = 1.0, 0
+
+
+class Annealed(Scheduled):
+    def __init__(self):
+        super().__init__()
+        self.kl = Annealer()
+
+    def training_step(self, batch, batch_idx):
+        return super().training_step(batch, batch_idx) * self.kl.beta
+
+    def on_train_batch_end(self, outputs, batch, batch_idx):
+        self.kl.steps_seen += 1  # read by no step: no setting
+        if self.trainer.global_step == 6:
+            self.kl.beta = 0.5
+
+
+def test_a_field_of_an_object_of_the_users_own_class_that_the_step_read_is_watched():
+    def run(callbacks):
+        torch.manual_seed(0)
+        model = Annealed()
+        trainer(callbacks, max_steps=12, val_check_interval=None, limit_val_batches=0).fit(model, loaders()[0])
+        return model
+
+    eager = run([])
+    callback = NPUGraphCallback(mode="whole_step")
+    with pytest.warns(UserWarning, match="kl.beta changed from 1.0 to 0.5 after the training step was captured"):
+        graphed = run([callback])
+    assert _same(eager, graphed) and callback.report()[0]["captures"] == 2

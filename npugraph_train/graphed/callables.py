@@ -416,12 +416,12 @@ class GraphedCallable:
     def warn_unused_output(self, index: int) -> None:
         """Warn that output ``index`` got no gradient in a backward, which its graphs replay as zeros."""
         self._warn_once("unused output", (
-            f"npugraph_train: {self.name}: output {index} (in flattened order) got no gradient in a backward (the loss "
-            "does not use it), but the graphs replay the backward of every output that requires grad, this one's "
-            "with a zero gradient. That gives eager's gradients unless this output's backward makes inf or NaN "
-            "(sqrt or log at 0, as in a norm of a padded row) or a custom autograd.Function treats a missing "
-            "gradient apart from zeros. Return it detached (out.detach()), or leave it out, to keep its backward out "
-            f"of the graphs (later calls{self._warned_with} are not warned)"))
+            f"npugraph_train: {self.name}: output {index} (in flattened order) got no gradient in a backward: the loss "
+            "does not use it. Its graphs still replay its backward, with a zero gradient: eager's result, unless that "
+            "backward makes inf or NaN (sqrt or log at 0, a norm of a zero row) or a custom autograd.Function treats "
+            "a missing gradient apart from zeros. To keep it out of the graphs, return it detached (out.detach()) or "
+            "leave it out (for a torch module such as nn.GRU, graph a wrapper that returns what the loss uses). "
+            f"Later calls{self._warned_with} are not warned"))
 
     def _warn_once(self, kind: str, message: str) -> None:
         if kind not in self._warned:
