@@ -797,3 +797,22 @@ def test_a_failed_capture_under_bf16_mixed_leaves_the_other_blocks_graphed():
     rows = {row["module"]: row for row in callback.report()}
     assert rows["blocks.0"]["replays"] == 6 and rows["blocks.1"]["status"].startswith("capture failed")
     assert _same_params(eager, graphed)
+
+
+class FreezesBlock(Callback):
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if trainer.global_step >= 6:
+            pl_module.blocks[0].eval()  # a frozen part, after the blocks were captured in train mode
+
+
+def test_a_graphed_module_put_in_eval_during_training_runs_eager_with_a_warning():
+    eager, _ = fit({"dropout": 0.1}, [FreezesBlock()], max_steps=12, val_check_interval=None, limit_val_batches=0)
+    callback = NPUGraphCallback()
+    with pytest.warns(UserWarning, match=r"blocks.0 is in eval mode in training steps, and its graphs were captured in "
+                                         r"train mode, so its calls run eager.*in on_train_epoch_start"):
+        graphed, _ = fit({"dropout": 0.1}, [FreezesBlock(), callback], max_steps=12, val_check_interval=None,
+                         limit_val_batches=0)
+    assert _same_params(eager, graphed)
+    rows = {row["module"]: row for row in callback.report()}
+    assert [n for r, n in rows["blocks.0"]["eager_calls"].items() if "mode differs" in r] == [6]
+    assert not any("mode differs" in r for r in rows["blocks.1"]["eager_calls"])

@@ -194,6 +194,7 @@ class NPUGraphCallback(Callback):
         self._step += 1
         if self._grapher is not None:
             self._grapher.stop_recording(step_ended=True)
+            self._grapher.warn_mode_in_training()
 
     def _warn_progress_bar_reads(self, trainer: "pl.Trainer") -> None:
         names = progress_bar_step_values(trainer)

@@ -83,6 +83,7 @@ class SubmoduleGrapher:
         # Modules left eager (capture failed, or not called while recording): training calls counted.
         self._eager_counts: Dict[str, Counter] = {}
         self._count_hooks: List[Any] = []
+        self._warned_mode: set = set()
 
     def setup(self, model: nn.Module) -> None:
         self.modules = select_modules(model, self.config)
@@ -203,6 +204,21 @@ class SubmoduleGrapher:
             update = cpu_update_input.get(name) if isinstance(cpu_update_input, dict) else cpu_update_input
             if update is not None:
                 state.update(update)
+
+    def warn_mode_in_training(self) -> None:
+        """After a training step: warn once per module graphed in another train/eval mode than it has now (a frozen
+        part put in eval() by a callback). Its calls run eager, as validation's do by design, but these lose the
+        speed-up."""
+        for name, module in self.modules:
+            state = graphed_state(module)
+            if state is None or module.training == state.training or name in self._warned_mode:
+                continue
+            self._warned_mode.add(name)
+            now, captured = ("train", "eval") if module.training else ("eval", "train")
+            rank_zero_warn(f"NPUGraphCallback: {name} is in {now} mode in training steps, and its graphs were captured "
+                           f"in {captured} mode, so its calls run eager (counted in the report). To graph it in "
+                           f"{now} mode, switch it before capture (in on_train_epoch_start, which runs before the "
+                           "warmup steps), or leave it unmarked")
 
     def _fail(self, name: str, why: str, warn: bool = True) -> None:
         self.status[name] = why
