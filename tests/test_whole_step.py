@@ -1995,13 +1995,19 @@ def test_batch_tensor_made_to_require_grad_in_the_step_replays():
 
 def test_sparse_embedding_is_refused_at_fit_start_naming_it():
     class Embeds(Scheduled):
-        def __init__(self):
-            super().__init__()
+        def configure_model(self):  # (after the callback's setup)
             self.table = nn.Embedding(10, 4, sparse=True)
 
     with pytest.raises(MisconfigurationException, match=r"cannot capture table \(Embedding\(sparse=True\)\).*"
                                                         "use sparse=False"):
         trainer([NPUGraphCallback(mode="whole_step")], max_steps=2).fit(Embeds(), *loaders())
+
+    class SparseFlag(Scheduled):  # a module's own flag named sparse is no sparse embedding
+        def __init__(self):
+            super().__init__()
+            self.sparse = True
+
+    trainer([NPUGraphCallback(mode="whole_step")], max_steps=6).fit(SparseFlag(), *loaders())
 
 
 def test_resume_of_a_scheduler_made_over_a_converted_optimizer_computes_as_the_uninterrupted_fit(tmp_path):
@@ -2031,36 +2037,51 @@ def test_resume_of_a_scheduler_made_over_a_converted_optimizer_computes_as_the_u
     assert resumed_lrs == lrs[16:] and _same(whole, resumed)
 
 
-class Annealer:
-    """A plain object of the user's own class that a hook changes (not a dataclass or Namespace)."""
-
-    def __init__(self):
-        self.beta, self.steps_seen = 1.0, 0
+class MSE:
+    def __call__(self, out, y):
+        return nn.functional.mse_loss(out, y)
 
 
-class Annealed(Scheduled):
-    def __init__(self):
+class L1(MSE):
+    def __call__(self, out, y):
+        return nn.functional.l1_loss(out, y)
+
+
+class WeightedLoss(MSE):
+    def __init__(self, weight):
+        self.weight = weight  # a tensor: no setting, so only the object's identity tells another one apart
+
+    def __call__(self, out, y):
+        return self.weight * super().__call__(out, y)
+
+
+class WithLossObject(Scheduled):
+    def __init__(self, criterion, replacement):
         super().__init__()
-        self.kl = Annealer()
+        self.criterion, self.replacement = criterion, replacement
 
     def training_step(self, batch, batch_idx):
-        return super().training_step(batch, batch_idx) * self.kl.beta
+        x, y = batch
+        return self.criterion(self(x), y)
 
-    def on_train_batch_end(self, outputs, batch, batch_idx):
-        self.kl.steps_seen += 1  # read by no step: no setting
+    def on_train_batch_start(self, batch, batch_idx):
         if self.trainer.global_step == 6:
-            self.kl.beta = 0.5
+            self.criterion = self.replacement
 
 
-def test_a_field_of_an_object_of_the_users_own_class_that_the_step_read_is_watched():
+@pytest.mark.parametrize("criterion, replacement, message", [
+    (MSE, L1, "criterion changed from MSE to L1"),
+    (lambda: WeightedLoss(torch.tensor(1.0)), lambda: WeightedLoss(torch.tensor(0.1)),
+     r"criterion was replaced by another WeightedLoss \(compared by identity: make it once\)")])
+def test_a_loss_object_the_step_read_replaced_by_another_is_captured_again(criterion, replacement, message):
     def run(callbacks):
         torch.manual_seed(0)
-        model = Annealed()
+        model = WithLossObject(criterion(), replacement())
         trainer(callbacks, max_steps=12, val_check_interval=None, limit_val_batches=0).fit(model, loaders()[0])
         return model
 
     eager = run([])
     callback = NPUGraphCallback(mode="whole_step")
-    with pytest.warns(UserWarning, match="kl.beta changed from 1.0 to 0.5 after the training step was captured"):
+    with pytest.warns(UserWarning, match=message):
         graphed = run([callback])
     assert _same(eager, graphed) and callback.report()[0]["captures"] == 2

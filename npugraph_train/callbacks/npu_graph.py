@@ -41,7 +41,7 @@ from ..optim import make_capturable, plain_scheduler_state
 from ..optim.capturable import retensor_lrs, tensor_lrs
 from .report import NOT_CAPTURED, format_report
 from .step_logs import monitor_plain_lrs, progress_bar_step_values
-from .step_setup import check_trainer
+from .step_setup import check_modules, check_trainer
 from .submodules import SubmoduleGrapher
 from .whole_step import UPDATE_HOOK, WholeStepGrapher
 
@@ -163,6 +163,7 @@ class NPUGraphCallback(Callback):
             # Not at setup: the module's own setup() and configure_model() build layers after callbacks' setup.
             self._grapher.setup(pl_module)
         if self._whole is not None:
+            check_modules(pl_module)
             self._whole.prepare_optimizers(trainer)
             self._whole.install(trainer)
 

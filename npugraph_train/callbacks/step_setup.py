@@ -13,6 +13,7 @@ from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.signature_utils import is_param_in_hook_signature
 from torch.optim.lr_scheduler import CyclicLR, OneCycleLR
 
+from ..graphed.callables import makes_sparse_gradients
 from ..optim.capturable import chained_schedulers
 
 # Hooks that run inside the captured region: once at capture, never again in Python. Callbacks have the first four.
@@ -44,10 +45,6 @@ def check_trainer(trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> Non
     if is_param_in_hook_signature(pl_module.training_step, "dataloader_iter", explicit=True):
         refuse("a training_step that takes dataloader_iter (the batch is not an argument)",
                "take `batch` in training_step")
-    sparse = next(((name, m) for name, m in pl_module.named_modules() if getattr(m, "sparse", False) is True), None)
-    if sparse is not None:
-        refuse(f"{sparse[0]} ({type(sparse[1]).__name__}(sparse=True)), whose sparse gradients a device sizes on the "
-               "host", "use sparse=False")
     for cb in trainer.callbacks:
         if isinstance(cb, (BaseFinetuning, StochasticWeightAveraging)):
             refuse(f"with {type(cb).__name__}, which changes the trained parameters or optimizer during fit",
@@ -59,6 +56,16 @@ def check_trainer(trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> Non
         rank_zero_warn(f"NPUGraphCallback(mode='whole_step'): {', '.join(overridden)} run inside the captured "
                        "step: their device work replays every step, their Python runs once at capture. Keep "
                        "them free of host reads (.item(), printing tensors) and per-step Python state")
+
+
+def check_modules(pl_module: "pl.LightningModule") -> None:
+    """Refuse modules whose gradients a captured step cannot hold (at fit start: after the module's setup() and
+    configure_model() made its layers)."""
+    sparse = next(((name, m) for name, m in pl_module.named_modules() if makes_sparse_gradients(m)), None)
+    if sparse is not None:
+        raise MisconfigurationException(
+            f"NPUGraphCallback(mode='whole_step') cannot capture {sparse[0]} ({type(sparse[1]).__name__}"
+            "(sparse=True)), whose sparse gradients a device sizes on the host; use sparse=False")
 
 
 def _instructions(code: Any) -> list:

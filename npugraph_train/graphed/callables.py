@@ -79,6 +79,11 @@ def submodule_slots(module: nn.Module, leave_out: Collection[Tuple[int, str]] = 
             for name, child in m._modules.items() if (id(m), name) not in leave_out]
 
 
+def makes_sparse_gradients(module: nn.Module) -> bool:
+    """Whether ``module`` is an ``nn.Embedding``/``nn.EmbeddingBag`` made with ``sparse=True``."""
+    return isinstance(module, (nn.Embedding, nn.EmbeddingBag)) and module.sparse
+
+
 def holds_parameters(module: Optional[nn.Module]) -> bool:
     return module is not None and next(module.parameters(), None) is not None
 
@@ -192,7 +197,10 @@ class GraphedCallable:
         watched = [slot for place, slot in slots.items() if place not in written]
         self._bound_labels, self._bound_dicts, self._bound_names = columns(watched, 3)
         self._bound_seen = self._bound_now()
-        self._bound_memory = _memory(self._bound_seen)  # (a buffer's .data = ... keeps the tensor, not its memory)
+        # The memory of the tensors the graphs read (a buffer's .data = ... keeps the tensor, not its memory).
+        self._read_tensors = [(name, t) for sig in self.signatures.values()
+                              for name, holder, key, t in sig.read_bindings if (id(holder), key) not in written]
+        self._read_memory = [t.data_ptr() for _, t in self._read_tensors]
 
     def _bound_now(self) -> List[Any]:
         return list(map(dict.get, self._bound_dicts, self._bound_names))
@@ -207,9 +215,9 @@ class GraphedCallable:
                          if now is not was)
             return (f"the tensor in its attribute {label} was replaced ({label} = ...)",
                     f"fill it in place ({label}.copy_(...), .fill_(...)) to keep the graphs")
-        if _memory(self._bound_seen) != self._bound_memory:
-            label = next(label for label, was, now in zip(self._bound_labels, self._bound_memory,
-                                                          _memory(self._bound_seen)) if now != was)
+        if [t.data_ptr() for _, t in self._read_tensors] != self._read_memory:
+            label = next(label for (label, t), address in zip(self._read_tensors, self._read_memory)
+                         if t.data_ptr() != address)
             return (f"the tensor in its attribute {label} was given new memory ({label}.data = ..., "
                     f"{label}.set_(...))", f"fill it in place ({label}.copy_(...), .fill_(...)) to keep the graphs")
         return None
@@ -400,12 +408,8 @@ class GraphedCallable:
         out = self.call_original(*args, **kwargs)
         self.settings = adopted(self.settings, before, self.module_settings.read())
         # Tensors the forward rebinds are its own; one rebound before this call is still a change for the graphs.
-        rebound = [now is not was for was, now in zip(bound, self._bound_now())]
-        if any(rebound):
-            self._bound_seen = [now if new else seen for seen, now, new in zip(self._bound_seen, self._bound_now(),
-                                                                                rebound)]
-            self._bound_memory = [now if new else seen for seen, now, new in zip(self._bound_memory,
-                                                                                  _memory(self._bound_seen), rebound)]
+        self._bound_seen = [now if now is not was else seen
+                            for seen, was, now in zip(self._bound_seen, bound, self._bound_now())]
         return out
 
     def _warn_recapture(self, what: str, kind: str) -> None:
@@ -490,10 +494,6 @@ class GraphedForward:
         return _plain_forward, (self.state.func,)
 
 
-def _memory(values: List[Any]) -> List[Optional[int]]:
-    return [t.data_ptr() if isinstance(t, torch.Tensor) else None for t in values]
-
-
 def _plain_forward(module: nn.Module) -> Callable:
     return types.MethodType(type(module).forward, module)
 
@@ -533,7 +533,7 @@ def _check_callable(func: Callable, name: str, args: tuple, kwargs: Dict[str, An
                 raise refuse(f"{where} is a lazy module ({type(sub).__name__}) that has not made its parameters "
                              "yet (it makes them in its first forward); run one forward before graphing it (in a "
                              "Trainer, the callback's warmup steps do)")
-            if getattr(sub, "sparse", False) is True:
+            if makes_sparse_gradients(sub):
                 raise refuse(f"{where} makes sparse gradients (sparse=True), which are built with host syncs that a "
                              "graph cannot capture; use sparse=False, or leave this module eager")
             # The module's own hooks run around the graphed forward on every call; its submodules' would not,

@@ -355,6 +355,7 @@ class CapturedSignature:
             raise GraphCaptureError(f"{self.owner.name}: graphed callables must return tensors or None (or nested "
                                     f"tuples/lists/dicts of them), got {', '.join(bad)}")
         self.none_outputs = tuple(i for i, o in enumerate(flat) if o is None)
+        self.output_positions = tuple(i for i, o in enumerate(flat) if o is not None)  # of each static output
         self.static_outputs = tuple(o for o in flat if o is not None)
         self.non_differentiable = tuple(i for i, o in enumerate(self.static_outputs) if not o.requires_grad)
         # a lone tensor: no pytree to rebuild on each call
@@ -493,7 +494,7 @@ class CapturedSignature:
                         continue
                     if grad is None:
                         static.zero_()
-                        sig.owner.warn_unused_output(i)
+                        sig.owner.warn_unused_output(sig.output_positions[i])
                     elif static.data_ptr() != grad.data_ptr():
                         static.copy_(grad)
                 # A .grad that adopted this buffer in an earlier backward and still holds it (accumulation

@@ -8,7 +8,6 @@ graphed callables (a module's forward) and the whole-step capture (``training_st
 """
 from __future__ import annotations
 
-import abc
 import argparse
 import dataclasses
 import functools
@@ -20,8 +19,6 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tupl
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
-
-from .user_code import is_user_module
 
 
 def recomputed_by_hooks(module: torch.nn.Module) -> set:
@@ -67,19 +64,11 @@ def is_setting(name: str, value: Any) -> bool:
 
 def is_config(value: Any) -> bool:
     """Whether an attribute holds a config object whose fields are settings too (``self.cfg.residual_scale``): a
-    dataclass instance, a ``SimpleNamespace``, an ``argparse.Namespace``, or an instance of a plain class of the
-    user's own code (a KL annealer whose ``beta`` a hook advances, a loss object with a margin). Other objects
-    (a DictConfig, a library's classes) are not looked into."""
-    return isinstance(value, (types.SimpleNamespace, argparse.Namespace)) or (
-        dataclasses.is_dataclass(value) and not isinstance(value, (type, torch.nn.Module))) or _own_class(type(value))
-
-
-@functools.lru_cache(maxsize=4096)
-def _own_class(cls: type) -> bool:
-    """Whether ``cls`` and its bases come from the user's own code (:func:`.user_code.is_user_module`), with no
-    metaclass of their own and a ``__dict__`` for their instances' fields."""
-    return (type(cls) in (type, abc.ABCMeta) and cls.__dictoffset__ != 0
-            and all(is_user_module(c.__module__) for c in cls.__mro__[:-1]))
+    dataclass instance, a ``SimpleNamespace`` or an ``argparse.Namespace``. Other objects (a DictConfig, a
+    library's config class) are not looked into."""
+    cls = type(value)  # (not isinstance: it asks a proxy for __class__, which a dead weakref.proxy raises on)
+    return issubclass(cls, (types.SimpleNamespace, argparse.Namespace)) or (
+        dataclasses.is_dataclass(cls) and not issubclass(cls, torch.nn.Module))
 
 
 def config_fields(config: Any) -> Dict[str, Any]:

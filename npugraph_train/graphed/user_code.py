@@ -6,7 +6,6 @@ than at the library frames that noticed the problem.
 from __future__ import annotations
 
 import contextlib
-import functools
 import linecache
 import os
 import sys
@@ -20,20 +19,6 @@ import torch
 
 _SKIP_DIRS = tuple(os.path.dirname(p) + os.sep for p in (torch.__file__, os.path.dirname(__file__)))
 _STDLIB = sysconfig.get_paths()["stdlib"] + os.sep
-# Where installed code lives: the standard library and the environment's packages (and npugraph_train).
-_INSTALLED = tuple({os.path.realpath(path) + os.sep for key, path in sysconfig.get_paths().items()
-                    if key in ("stdlib", "platstdlib", "purelib", "platlib")} | {_SKIP_DIRS[1]})
-
-
-@functools.lru_cache(maxsize=None)
-def is_user_module(name: str) -> bool:
-    """Whether the module called ``name`` is the user's own code: the script (``__main__``, also a notebook's) or a
-    file outside the standard library, the installed packages and npugraph_train (a project checked out, or
-    installed editable)."""
-    if name == "__main__":
-        return True
-    path = getattr(sys.modules.get(name), "__file__", None)
-    return path is not None and not os.path.realpath(path).startswith(_INSTALLED)
 
 
 # (frame, line it is at): a frame an exception passed has moved on from the line the traceback records.

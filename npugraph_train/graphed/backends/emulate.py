@@ -266,6 +266,9 @@ def _stream(stream: Optional[EmulatedStream]) -> Iterator[None]:
         _local.stream = previous
 
 
+_SPARSE = (torch.sparse_coo, torch.sparse_csr, torch.sparse_csc, torch.sparse_bsr, torch.sparse_bsc)
+
+
 def _storage_key(t: torch.Tensor) -> int:
     return t.untyped_storage().data_ptr()
 
@@ -415,10 +418,14 @@ class _Recorder(TorchDispatchMode):
                 snap_args, snap_kwargs = tree_map(lambda v: v.detach() if isinstance(v, torch.Tensor) else v,
                                                   (args, kwargs))
             out = func(*args, **kwargs)
-            if any(t.layout != torch.strided for t in _tensors((args, kwargs, out))):
-                raise _capture_error(f"op {func} works on sparse tensors (nn.Embedding(sparse=True) gradients, "
-                                     "torch.sparse), whose size a device computes on the host",
-                                     ": use dense tensors (sparse=False), or keep this computation eager")
+            layout = next((t.layout for t in _tensors((args, kwargs, out)) if t.layout != torch.strided), None)
+            if layout is not None:
+                sparse = layout in _SPARSE
+                what = ("sparse tensors (nn.Embedding(sparse=True) gradients, torch.sparse)" if sparse
+                        else f"{layout} tensors")
+                raise _capture_error(f"op {func} works on {what}, whose size a device computes on the host",
+                                     f": use dense {'tensors (sparse=False)' if sparse else '(padded) tensors'}, or "
+                                     "keep this computation eager")
             self.graph._record(func, args, kwargs, out, functools.partial(func, *snap_args, **snap_kwargs))
             return out
         return self.graph._record_updatable(func, args, kwargs, handler)
