@@ -2085,3 +2085,30 @@ def test_a_loss_object_the_step_read_replaced_by_another_is_captured_again(crite
     with pytest.warns(UserWarning, match=message):
         graphed = run([callback])
     assert _same(eager, graphed) and callback.report()[0]["captures"] == 2
+
+
+class Annealer:
+    """A plain object of the user's own class that a hook advances: not watched inside, warned about."""
+
+    def __init__(self):
+        self.beta = 1.0
+
+
+class Annealed(Scheduled):
+    def __init__(self):
+        super().__init__()
+        self.kl, self.criterion = Annealer(), MSE()  # (a loss object without numbers inside is not warned about)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return self.kl.beta * self.criterion(self(x), y)
+
+
+def test_an_object_with_values_inside_that_the_step_read_is_warned_about():
+    callback = NPUGraphCallback(mode="whole_step")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer([callback], max_steps=8, val_check_interval=None, limit_val_batches=0).fit(Annealed(), loaders()[0])
+    inside = [str(w.message) for w in caught if "values inside such an object" in str(w.message)]
+    assert len(inside) == 1 and "training_step read self.kl (Annealer): values inside" in inside[0]
+    assert "criterion" not in inside[0] and callback.report()[0]["status"] == "graphed"

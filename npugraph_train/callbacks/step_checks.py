@@ -22,6 +22,7 @@ import operator
 import sys
 import threading
 import types
+import weakref
 from typing import (Any, Callable, Collection, ContextManager, Dict, Iterable, Iterator, List, Optional, Sequence, Set,
                     Tuple)
 
@@ -318,6 +319,28 @@ def _plain(value: Any) -> Any:
     return value.value if isinstance(value, enum.Enum) else value  # GradClipAlgorithmType.NORM: 'norm'
 
 
+_LIBRARIES = ("torch", "lightning", "pytorch_lightning", "builtins")
+
+
+def with_values_inside(module: torch.nn.Module, names: Iterable[str]) -> List[str]:
+    """Those of the attributes ``names`` that hold an object of another class than a module, tensor, container or
+    config object (a KL annealer) with numbers, flags or strings among its fields: what the step read of them is
+    baked in, and a change inside them is not seen (only their replacement)."""
+    values = vars(module)
+    held = [(name, values.get(name)) for name in names]
+    return [name for name, value in held if type(value).__module__.split(".")[0] not in _LIBRARIES
+            and not issubclass(type(value), (torch.nn.Module, torch.Tensor, list, tuple, dict, *weakref.ProxyTypes))
+            and any(type(v) in SCALAR_TYPES for v in _own_fields(value).values())]
+
+
+def _own_fields(value: Any) -> Dict[str, Any]:
+    try:  # (the instance's own: not through a __getattr__ or a property of its class)
+        fields = object.__getattribute__(value, "__dict__")
+    except AttributeError:  # slots only
+        return {}
+    return fields if isinstance(fields, dict) else {}
+
+
 def _attribute(module: torch.nn.Module, name: str) -> Any:
     """An attribute as the module holds it (a module or parameter assigned goes to _modules or _parameters)."""
     values = vars(module)
@@ -358,6 +381,7 @@ class BakedSetup:
         self._bound: Tuple[list, list, list, list] = ([], [], [], [])
         self._bound_memory: List[int] = []
         self._kept_grads: List[Tuple[torch.Tensor, torch.Tensor]] = []
+        self.values_inside: List[str] = []  # see with_values_inside
 
     def track_lrs(self, groups: List[Dict[str, Any]]) -> None:
         """The lr tensors that eager steps and the coming capture read (after the optimizer's conversion)."""
@@ -421,6 +445,7 @@ class BakedSetup:
             and not is_config(values[name]))
         from_class = sorted(name for name in watched_root - set(values) if (id(module), name) not in written
                             and _class_held_value(type(module), name))
+        self.values_inside = with_values_inside(module, self._objects_read)
         self._objects_read += from_class
         self._read_through_class = bool(from_class)
         # Containers are compared entry by entry (they change in place).

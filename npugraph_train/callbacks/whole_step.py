@@ -319,6 +319,7 @@ class WholeStepGrapher:
                              if p.grad is not None]
         self.baked.remember(module, unwrap(optimizer), root_reads, assigned, attributes.read_bindings(), hparams_read,
                             fields_read)
+        self._warn_values_inside(module)
         self.captures.append({"description": describe(key), "reason": self.recapture_reason,
                               "first_replay": self.replays, "capture_seconds": self.capture_seconds,
                               "pool_bytes": self.pool_bytes})
@@ -352,6 +353,16 @@ class WholeStepGrapher:
                 f"npugraph_train: the captured training step reads {name} ({value}) on the host: every replay "
                 f"uses this value. Keep {name}-dependent logic out of training_step, or pass it as a device tensor "
                 "updated in place outside the step (e.g. a buffer you fill_ in on_train_batch_start)")
+
+    def _warn_values_inside(self, module: "pl.LightningModule") -> None:
+        names = [name for name in self.baked.values_inside if f"inside:{name}" not in self._warned]
+        if names:
+            self._warned.update(f"inside:{name}" for name in names)
+            shown = ", ".join(f"self.{name} ({type(getattr(module, name)).__name__})" for name in names[:3])
+            rank_zero_warn(f"NPUGraphCallback(mode='whole_step'): training_step read {shown}: values inside such an "
+                           "object are baked in at capture, and a change inside it (a hook advancing an annealer's "
+                           "beta) is not seen; replacing the object is. Keep values that change in a tensor filled "
+                           "in place (a buffer), or in a dataclass config, whose fields are watched")
 
     def _warn_python_outputs(self, result: Dict[str, Any]) -> None:
         keys = python_outputs(result)
