@@ -1158,6 +1158,32 @@ class TestUserPatterns:
         assert all(torch.equal(a, b) for a, b in zip(eager.parameters(), graphed.parameters()))
         assert type(graphed.cfg) is Config
 
+    def test_a_config_field_first_read_after_a_recapture_is_watched(self):
+        @dataclasses.dataclass
+        class Config:
+            scale: float = 1.0
+
+        class Scaled(nn.Linear):
+            def __init__(self):
+                super().__init__(4, 4)
+                self.use_scale, self.cfg = False, Config()
+
+            def forward(self, x):
+                y = super().forward(x)
+                return y * self.cfg.scale if self.use_scale else y  # cfg unread at the first capture
+
+        model = Scaled()
+        ng.make_graphed_callables(model, (torch.zeros(3, 4),))
+        x = torch.randn(3, 4)
+        model(x).sum().backward()
+        model.use_scale = True
+        with pytest.warns(RuntimeWarning, match="use_scale changed from False to True"):
+            model(x).sum().backward()
+        model.cfg.scale = 3.0  # (captured again: the recapture warning was given once, above)
+        out = model(x)
+        assert torch.equal(out, nn.functional.linear(x, model.weight, model.bias) * 3.0)
+        assert sum(s["captures"] for s in ng.graphed_state(model).report()["signatures"]) == 3
+
     def test_a_config_rebound_with_another_field_names_the_change(self):
         class Scaled(nn.Linear):
             def forward(self, x):

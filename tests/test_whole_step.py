@@ -1,6 +1,8 @@
 import copy
 import dataclasses
+import enum
 import linecache
+import logging
 import pickle
 import re
 import types
@@ -2009,6 +2011,13 @@ def test_sparse_embedding_is_refused_at_fit_start_naming_it():
 
     trainer([NPUGraphCallback(mode="whole_step")], max_steps=6).fit(SparseFlag(), *loaders())
 
+    class FrozenTable(Scheduled):  # frozen pretrained vectors make no gradient
+        def __init__(self):
+            super().__init__()
+            self.vectors = nn.Embedding(10, 4, sparse=True).requires_grad_(False)
+
+    trainer([NPUGraphCallback(mode="whole_step")], max_steps=6).fit(FrozenTable(), *loaders())
+
 
 def test_resume_of_a_scheduler_made_over_a_converted_optimizer_computes_as_the_uninterrupted_fit(tmp_path):
     # The checkpoint holds the scheduler's lrs as floats (resumable without npugraph_train); LambdaLR multiplies
@@ -2094,14 +2103,20 @@ class Annealer:
         self.beta = 1.0
 
 
+class Reduction(enum.Enum):
+    MEAN = "mean"
+
+
 class Annealed(Scheduled):
     def __init__(self):
         super().__init__()
         self.kl, self.criterion = Annealer(), MSE()  # (a loss object without numbers inside is not warned about)
+        self.reduction, self.py_logger = Reduction.MEAN, logging.getLogger("annealed")  # (nor are these)
 
     def training_step(self, batch, batch_idx):
         x, y = batch
-        return self.kl.beta * self.criterion(self(x), y)
+        self.py_logger.debug("step")
+        return self.kl.beta * self.criterion(self(x), y) * (1.0 if self.reduction.value == "mean" else 2.0)
 
 
 def test_an_object_with_values_inside_that_the_step_read_is_warned_about():
@@ -2111,4 +2126,5 @@ def test_an_object_with_values_inside_that_the_step_read_is_warned_about():
         trainer([callback], max_steps=8, val_check_interval=None, limit_val_batches=0).fit(Annealed(), loaders()[0])
     inside = [str(w.message) for w in caught if "values inside such an object" in str(w.message)]
     assert len(inside) == 1 and "training_step read self.kl (Annealer): values inside" in inside[0]
-    assert "criterion" not in inside[0] and callback.report()[0]["status"] == "graphed"
+    assert not any(name in inside[0] for name in ("criterion", "reduction", "py_logger"))
+    assert callback.report()[0]["status"] == "graphed"

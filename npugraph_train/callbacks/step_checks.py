@@ -19,10 +19,10 @@ import enum
 import functools
 import itertools
 import operator
+import os
 import sys
 import threading
 import types
-import weakref
 from typing import (Any, Callable, Collection, ContextManager, Dict, Iterable, Iterator, List, Optional, Sequence, Set,
                     Tuple)
 
@@ -38,7 +38,7 @@ from ..graphed.attribute_reads import NOTING_READ, attributes_read
 from ..graphed.callables import GLOBAL_HOOK_KINDS, MODULE_HOOK_KINDS, slots_hold, submodule_slots
 from ..graphed.settings import FieldsRead, ModuleSettings
 from ..graphed.state_attributes import SCALAR_TYPES, adopted, carried_state_message, columns, is_config
-from ..graphed.user_code import user_frame, user_source_line
+from ..graphed.user_code import is_installed, user_frame, user_source_line
 from .hparams import HparamsWatch
 from .host_state import UNSET, lightning_internals, snapshot, value_change
 
@@ -319,18 +319,24 @@ def _plain(value: Any) -> Any:
     return value.value if isinstance(value, enum.Enum) else value  # GradClipAlgorithmType.NORM: 'norm'
 
 
-_LIBRARIES = ("torch", "lightning", "pytorch_lightning", "builtins")
-
-
 def with_values_inside(module: torch.nn.Module, names: Iterable[str]) -> List[str]:
-    """Those of the attributes ``names`` that hold an object of another class than a module, tensor, container or
-    config object (a KL annealer) with numbers, flags or strings among its fields: what the step read of them is
-    baked in, and a change inside them is not seen (only their replacement)."""
+    """Those of the attributes ``names`` that hold an object of a plain class of the user's own code (a KL annealer:
+    not a module, tensor, container, enum or config object, nor a library's) with numbers, flags or strings among
+    its fields: what the step read of them is baked in, and a change inside them is not seen (only their
+    replacement)."""
     values = vars(module)
     held = [(name, values.get(name)) for name in names]
-    return [name for name, value in held if type(value).__module__.split(".")[0] not in _LIBRARIES
-            and not issubclass(type(value), (torch.nn.Module, torch.Tensor, list, tuple, dict, *weakref.ProxyTypes))
+    return [name for name, value in held if _users_class(type(value))
+            and not issubclass(type(value), (torch.nn.Module, torch.Tensor, list, tuple, dict, enum.Enum))
             and any(type(v) in SCALAR_TYPES for v in _own_fields(value).values())]
+
+
+def _users_class(cls: type) -> bool:
+    """Whether ``cls`` comes from the user's script or project (not the standard library or an installed package)."""
+    if cls.__module__ == "__main__":
+        return True
+    path = getattr(sys.modules.get(cls.__module__ or ""), "__file__", None)
+    return isinstance(path, str) and not is_installed(os.path.realpath(path))
 
 
 def _own_fields(value: Any) -> Dict[str, Any]:

@@ -64,8 +64,9 @@ def check_modules(pl_module: "pl.LightningModule") -> None:
     sparse = next(((name, m) for name, m in pl_module.named_modules() if makes_sparse_gradients(m)), None)
     if sparse is not None:
         raise MisconfigurationException(
-            f"NPUGraphCallback(mode='whole_step') cannot capture {sparse[0]} ({type(sparse[1]).__name__}"
-            "(sparse=True)), whose sparse gradients a device sizes on the host; use sparse=False")
+            f"NPUGraphCallback(mode='whole_step') cannot capture {sparse[0] or type(pl_module).__name__} "
+            f"({type(sparse[1]).__name__}(sparse=True)), whose sparse gradients a device sizes on the host; use "
+            "sparse=False")
 
 
 def _instructions(code: Any) -> list:

@@ -358,7 +358,8 @@ class WholeStepGrapher:
         names = [name for name in self.baked.values_inside if f"inside:{name}" not in self._warned]
         if names:
             self._warned.update(f"inside:{name}" for name in names)
-            shown = ", ".join(f"self.{name} ({type(getattr(module, name)).__name__})" for name in names[:3])
+            shown = ", ".join(f"self.{name} ({type(getattr(module, name)).__name__})" for name in names[:3]) + (
+                f" and {len(names) - 3} more" if len(names) > 3 else "")
             rank_zero_warn(f"NPUGraphCallback(mode='whole_step'): training_step read {shown}: values inside such an "
                            "object are baked in at capture, and a change inside it (a hook advancing an annealer's "
                            "beta) is not seen; replacing the object is. Keep values that change in a tensor filled "

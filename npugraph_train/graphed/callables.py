@@ -80,8 +80,9 @@ def submodule_slots(module: nn.Module, leave_out: Collection[Tuple[int, str]] = 
 
 
 def makes_sparse_gradients(module: nn.Module) -> bool:
-    """Whether ``module`` is an ``nn.Embedding``/``nn.EmbeddingBag`` made with ``sparse=True``."""
-    return isinstance(module, (nn.Embedding, nn.EmbeddingBag)) and module.sparse
+    """Whether ``module`` is an ``nn.Embedding``/``nn.EmbeddingBag`` made with ``sparse=True`` whose weight is trained
+    (a frozen one makes no gradient)."""
+    return isinstance(module, (nn.Embedding, nn.EmbeddingBag)) and module.sparse and module.weight.requires_grad
 
 
 def holds_parameters(module: Optional[nn.Module]) -> bool:

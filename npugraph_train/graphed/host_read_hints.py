@@ -69,11 +69,13 @@ def library_hint(places: Optional[Iterable[Place]] = None) -> str:
                     "without the check: var = var.clone(), var.clamp_(min=eps) under torch.no_grad(), then "
                     "0.5 * (torch.log(var) + (input - target) ** 2 / var) and the reduction")
         elif path == _FAKE_QUANTIZE and function == "forward":
+            torch_class = next(c for c in cls.__mro__ if c.__module__.startswith("torch."))
+            named = f"torch.ao.quantization.{torch_class.__name__}"
             fix = ("use FusedMovingAvgObsFakeQuantize, which reads them on the device (torch.ao.quantization."
-                   "get_default_qat_qconfig(backend) gives it)" if cls.__name__ == "FakeQuantize" else
+                   "get_default_qat_qconfig(backend) gives it)" if torch_class.__name__ == "FakeQuantize" else
                    "keep the module it quantizes eager")
-            return (f", in torch.ao.quantization.{cls.__name__}, which reads its observer_enabled and "
-                    f"fake_quant_enabled flags on the host in every call; {fix}")
+            return (f", in {named if torch_class is cls else f'{cls.__name__}, a subclass of {named}'}, which reads "
+                    f"its observer_enabled and fake_quant_enabled flags on the host in every call; {fix}")
         elif function == "grad_norm" and path.endswith(_LIGHTNING_GRADS):
             return (", in lightning's grad_norm, which stacks the per-parameter norms with torch.tensor(list) on the "
                     "host; call it after the step (on_train_batch_end, where .grad holds the step's gradients), or "

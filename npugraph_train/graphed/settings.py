@@ -71,8 +71,9 @@ class ModuleSettings:
                         self.keep is None or self.keep(path, m, key)):
                     if setting:
                         found.slots.append((attribute_path(path, key), m.__dict__, key))
-                    elif found.config(attribute_path(path, key), m.__dict__, key):
+                    else:
                         self._homes[id(m.__dict__), key] = (m.__dict__, key)
+                        found.config(attribute_path(path, key), m.__dict__, key)
         looked_into = {(id(where), key) for where, key, _ in found.holders}
         found.holders += [(where, key, where.get(key)) for place, (where, key) in self._homes.items()
                           if place not in looked_into]  # holding None (or another object) now
@@ -150,20 +151,16 @@ class _Found:
         self._seen: set = set()  # config objects looked into (one shared by every layer is read once)
         self._budget = CONFIG_FIELDS
 
-    def config(self, label: str, where: Any, key: str, depth: int = 0) -> bool:
-        """Look into the config object at ``where[key]``; False where captures recorded that its class's fields
-        were read none of them (a tracker object rebound every step costs no new look then)."""
+    def config(self, label: str, where: Any, key: str, depth: int = 0) -> None:
         value = _held(where, key)
-        read = self._fields_read.of(value)
-        if read is not None and not read:
-            return False
         self.holders.append((where, key, value))
         if id(value) in self._seen or depth >= 4:
-            return True
+            return
         self._seen.add(id(value))
         self.configs.append(value)
         fields = config_fields(value)
         live = getattr(value, "__dict__", None) is fields  # else a copy: read the fields as attributes
+        read = self._fields_read.of(value)
         for name, field in fields.items():
             if read is not None and name not in read:
                 continue
@@ -175,7 +172,6 @@ class _Found:
                     self.attributes.append((f"{label}.{name}", value, name))
             elif is_config(field):
                 self.config(f"{label}.{name}", fields if live else value, name, depth + 1)
-        return True
 
 
 class FieldsRead:

@@ -44,6 +44,16 @@ def raised_through(exc: BaseException) -> List[Place]:
     return places[::-1] + list(outward(places[0][0].f_back)) if places else []
 
 
+def is_installed(path: str) -> bool:
+    """Whether the file at ``path`` is installed code: the standard library, torch, npugraph_train, or a package in a
+    site-packages or dist-packages folder; not the user's script or project."""
+    return path.startswith(_SKIP_DIRS) or path.startswith(_STDLIB) or not _PACKAGE_FOLDERS.isdisjoint(
+        path.split(os.sep))
+
+
+_PACKAGE_FOLDERS = frozenset(("site-packages", "dist-packages"))
+
+
 def _is_library(frame: FrameType) -> bool:
     path = frame.f_code.co_filename
     return path.startswith(_SKIP_DIRS) or path.startswith(_STDLIB) or f"{os.sep}lightning{os.sep}" in path
