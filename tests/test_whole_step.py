@@ -2128,3 +2128,36 @@ def test_an_object_with_values_inside_that_the_step_read_is_warned_about():
     assert len(inside) == 1 and "training_step read self.kl (Annealer): values inside" in inside[0]
     assert not any(name in inside[0] for name in ("criterion", "reduction", "py_logger"))
     assert callback.report()[0]["status"] == "graphed"
+
+
+class LogsStateItChanges(Scheduled):
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("seen", torch.zeros(()))
+
+    def training_step(self, batch, batch_idx):
+        self.log("w00", self.head.weight[0, 0])  # a view of a parameter the optimizer step updates after the call
+        self.log("seen", self.seen, on_epoch=True, reduce_fx="max")
+        self.seen += batch[0].shape[0]  # a device counter, updated after the call
+        return super().training_step(batch, batch_idx)
+
+
+class LoggedEachStep(Callback):
+    def __init__(self):
+        self.rows = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.rows.append({k: v.item() for k, v in trainer.callback_metrics.items() if k in ("w00", "seen_step")})
+
+
+def test_a_logged_value_is_the_one_at_the_log_call_not_after_the_step():
+    def run(callbacks):
+        torch.manual_seed(0)
+        logged = LoggedEachStep()
+        trainer([logged, *callbacks], max_steps=10, val_check_interval=None, limit_val_batches=0).fit(
+            LogsStateItChanges(), loaders(n=64)[0])
+        return logged.rows
+
+    callback = NPUGraphCallback(mode="whole_step")
+    graphed = run([callback])
+    assert callback.report()[0]["replays"] == 7 and run([]) == graphed

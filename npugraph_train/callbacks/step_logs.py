@@ -36,7 +36,9 @@ class StepLogRecorder:
                 f"whole_step: {fx} logs {name!r} as a Python {python_type(value)}; a captured step would log the "
                 "capture step's value forever. Log a tensor (e.g. self.log(name, loss.detach())), or log "
                 "outside the training step (on_train_batch_end)")
-        self.calls.append((fx, name, f"{fx}.{name}", value, args, kwargs))
+        # A copy made inside the captured step, as LightningModule.log makes at the call: a view of a parameter, or a
+        # buffer the step goes on to update in place, is logged as it was at the call, not after the step.
+        self.calls.append((fx, name, f"{fx}.{name}", value.detach().clone(), args, kwargs))
 
     def _live_lr(self, value: Any) -> Any:
         """For an entry of a scheduler's ``get_last_lr()`` (a tensor copy, or a float from before the
