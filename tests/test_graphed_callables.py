@@ -2342,3 +2342,27 @@ def test_a_module_holding_a_dead_weak_proxy_is_graphed():
     ng.make_graphed_callables(model, (torch.zeros(3, 4),))
     model(torch.randn(3, 4)).sum().backward()
     assert ng.graphed_state(model).report()["replays"] == 1
+
+
+def test_calls_under_saved_tensor_hooks_run_eager_so_the_hooks_apply():
+    def lossy(t):  # activation compression: saved tensors kept in bfloat16
+        return t.to(torch.bfloat16), t.dtype
+
+    def restore(packed):
+        return packed[0].to(packed[1])
+
+    torch.manual_seed(0)
+    eager = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+    graphed = ng.make_graphed_callables(copy.deepcopy(eager), (torch.zeros(3, 4),))
+    x = torch.randn(3, 4)
+    for model in (eager, graphed):
+        with torch.autograd.graph.saved_tensors_hooks(lossy, restore):
+            if model is graphed:
+                with pytest.warns(RuntimeWarning, match="ran eager: saved-tensor hooks are active around the call"):
+                    out = model(x)
+            else:
+                out = model(x)
+        out.sum().backward()
+    assert all(torch.equal(a.grad, b.grad) for a, b in zip(eager.parameters(), graphed.parameters()))
+    graphed(x).sum().backward()  # outside the hooks: replayed
+    assert ng.graphed_state(graphed).report()["replays"] == 1

@@ -52,7 +52,7 @@ from torch.utils.hooks import RemovableHandle
 from .backends import Backend, get_backend
 from .backends.base import check_capture_error_mode
 from .captured import (CapturedSignature, SignatureStats, batch_ids, capture_signatures, in_checkpoint_forward,
-                       may_keep_grad)
+                       may_keep_grad, saved_tensors_hooked)
 from .errors import GraphCaptureError, GraphStateError
 from .signatures import (Signature, describe_signature, difference_hint, flatten_call, is_constant, serves, signature,
                          static_copies, within)
@@ -234,6 +234,11 @@ class GraphedCallable:
             return self.call_original(*args, **kwargs)
         if self.is_module and self.func.training != self.training:
             return self._eager(_MODE_DIFFERS, args, kwargs)
+        if torch.is_grad_enabled() and saved_tensors_hooked():
+            return self._eager("saved-tensor hooks are active around the call (torch.autograd.graph."
+                               "saved_tensors_hooks, save_on_cpu): its graphs keep their own saved tensors, which "
+                               "the hooks would never see (a lossy pack hook would not apply, an offload not happen); "
+                               "call it outside them to graph it", args, kwargs)
         hooked = self._hooks_added()
         if hooked:
             return self._eager(f"{hooked} after capture (a replay runs no Python, so the hook would not run); "

@@ -47,10 +47,22 @@ def may_keep_grad(param: torch.Tensor) -> bool:
 batch_ids = itertools.count()
 
 
+def _pack_hook() -> str:
+    """The qualified name of the innermost saved-tensor pack hook ("" where there is none, "?" where it has none)."""
+    hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)
+    return "" if hooks is None else getattr(hooks[0], "__qualname__", "?")
+
+
 def in_checkpoint_forward() -> bool:
     # torch.utils.checkpoint(use_reentrant=False) packs saved tensors with its _checkpoint_hook in the forward
-    hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)
-    return hooks is not None and getattr(hooks[0], "__qualname__", "").startswith("_checkpoint_hook.")
+    return _pack_hook().startswith("_checkpoint_hook.")
+
+
+def saved_tensors_hooked() -> bool:
+    """Whether saved-tensor hooks of the user's are active (``saved_tensors_hooks``, ``save_on_cpu``), not those of
+    activation checkpointing (its forward's and its recompute's), which graphed calls handle."""
+    hook = _pack_hook()
+    return bool(hook) and not hook.startswith(("_checkpoint_hook.", "_recomputation_hook."))
 
 
 def _returned_grads(statics: Sequence[Optional[torch.Tensor]], accumulators: Sequence[Any],
