@@ -153,8 +153,8 @@ def _check_known(keys: Iterable[Any]) -> None:
 
 
 def _is_hydra_key(key: Any) -> bool:
-    # The keys hydra.utils.instantiate reads from a node: _target_, _partial_, _recursive_, _convert_, _args_.
-    return isinstance(key, str) and len(key) > 2 and key.startswith("_") and key.endswith("_")
+    # The keys hydra.utils.instantiate reads from a node (any other, _targt_, is an unknown setting).
+    return key in ("_target_", "_partial_", "_recursive_", "_convert_", "_args_")
 
 
 def _missing_error(label: str) -> MisconfigurationException:
@@ -199,7 +199,10 @@ def _allowed(name: str) -> str:
 
 
 def _invalid(name: str, value: Any) -> MisconfigurationException:
-    return MisconfigurationException(f"NPUGraphConfig.{name}={value!r} is not valid; {_allowed(name)}")
+    # YAML 1.1 (OmegaConf's) reads an unquoted off as false.
+    quote = " (YAML reads an unquoted off as false: write mode: 'off')" if name == "mode" and str(value) in (
+        "False", "false") else ""
+    return MisconfigurationException(f"NPUGraphConfig.{name}={value!r} is not valid; {_allowed(name)}{quote}")
 
 
 def unknown_settings_error(where: str, keys: Iterable[str]) -> MisconfigurationException:

@@ -816,3 +816,13 @@ def test_a_graphed_module_put_in_eval_during_training_runs_eager_with_a_warning(
     rows = {row["module"]: row for row in callback.report()}
     assert [n for r, n in rows["blocks.0"]["eager_calls"].items() if "mode differs" in r] == [6]
     assert not any("mode differs" in r for r in rows["blocks.1"]["eager_calls"])
+
+
+def test_config_keys_that_look_like_hydras_and_an_unquoted_yaml_off_are_named():
+    with pytest.raises(MisconfigurationException, match=r"mode='False' is not valid.*YAML reads an unquoted off as "
+                                                        r"false: write mode: 'off'"):
+        NPUGraphCallback.from_config(OmegaConf.create("mode: off"))
+    with pytest.raises(MisconfigurationException, match="unknown settings '_targt_'"):
+        NPUGraphCallback.from_config({"_targt_": "npugraph_train.NPUGraphCallback", "mode": "off"})
+    assert NPUGraphCallback.from_config({"_target_": "npugraph_train.NPUGraphCallback", "_partial_": True,
+                                         "mode": "off"}).config.mode == "off"

@@ -2366,3 +2366,18 @@ def test_calls_under_saved_tensor_hooks_run_eager_so_the_hooks_apply():
     assert all(torch.equal(a.grad, b.grad) for a, b in zip(eager.parameters(), graphed.parameters()))
     graphed(x).sum().backward()  # outside the hooks: replayed
     assert ng.graphed_state(graphed).report()["replays"] == 1
+
+
+@pytest.mark.parametrize("call, error, message", [
+    (lambda m, x: ng.make_graphed_callables(m, (x,), num_warmup_iters=-1), ValueError,
+     r"num_warmup_iters must be a whole number >= 0, got -1"),
+    (lambda m, x: ng.make_graphed_callables(m, (x,), allow_unused_input="no"), ValueError,
+     r"allow_unused_input must be True or False, got 'no'"),
+    (lambda m, x: ng.make_graphed_callables(m, (x,), sample_kwargs=[x]), TypeError,
+     r"sample_kwargs must be a dict of keyword tensors"),
+    (lambda m, x: ng.make_graphed_callables([m, m], ((x,), (x,))), TypeError, r"got a list \(pass tuple\(\.\.\.\)\)"),
+    (lambda m, x: ng.make_graphed_callables((), ()), TypeError, r"got an empty tuple"),
+])
+def test_bad_arguments_to_make_graphed_callables_are_named(call, error, message):
+    with pytest.raises(error, match=message):
+        call(nn.Linear(2, 2), torch.zeros(1, 2))

@@ -153,6 +153,50 @@ def test_unknown_and_fused_optimizers_are_refused():
         check_capture_safe(fused, tensor_lr_needed=True)  # convert_optimizers=False
 
 
+class MySGD(torch.optim.SGD):
+    """A subclass that keeps SGD.step."""
+
+
+def test_an_sgd_subclass_is_converted_with_the_device_lr_step_and_one_overriding_step_is_refused():
+    def train(make, graphed):
+        model = _model()
+        opt = make_capturable(make(model.parameters(), lr=0.1, momentum=0.9))
+        g = ng.Graph()
+        for i, step_grads in enumerate(_grads(3)):
+            _set_grads(model, step_grads)
+            if graphed and i == 1:  # (after an eager step made the momentum buffers)
+                with ng.graph(g):  # SGD's own step would read the lr on the host here
+                    opt.step()
+            g.replay() if graphed and i >= 1 else opt.step()
+        return model
+
+    reference = train(torch.optim.SGD, False)
+    for graphed in (False, True):
+        converted = train(MySGD, graphed)
+        assert all(torch.equal(a, b) for a, b in zip(reference.parameters(), converted.parameters()))
+
+    class OwnStep(torch.optim.SGD):
+        def step(self, closure=None):
+            return super().step(closure)
+
+    with pytest.raises(MisconfigurationException, match="OwnStep overrides SGD.step.*subclass npugraph_train.optim."
+                                                        "CapturableSGD"):
+        make_capturable(OwnStep(_model().parameters(), lr=0.1))
+
+
+def test_clip_grad_norm_takes_torchs_arguments():
+    grads = _grads(1)[0]
+    norms = []
+    for clip in (torch.nn.utils.clip_grad_norm_, clip_grad_norm_):
+        model = _model()
+        _set_grads(model, [g * 5 for g in grads])
+        norms.append(clip(model.parameters(), "1.0" if clip is clip_grad_norm_ else 1.0, norm_type="inf",
+                          error_if_nonfinite=False, foreach=True))
+    assert torch.equal(*norms)
+    with pytest.raises(ValueError, match=r"error_if_nonfinite=True\) reads the norm on the host.*leave it False"):
+        clip_grad_norm_(_model().parameters(), 1.0, error_if_nonfinite=True)
+
+
 def test_non_capturable_adam_refusal_names_the_fixes_that_work_on_its_device():
     # on CPU tensors (the emulator) torch refuses capturable=True, which the message suggested
     cpu = torch.optim.Adam(_model().parameters(), lr=0.01)

@@ -615,8 +615,17 @@ def make_graphed_callables(
     """
     single = not isinstance(callables, tuple)
     funcs: Tuple[Callable, ...] = (callables,) if single else callables
+    wrong = ("an empty tuple" if not funcs else "a list (pass tuple(...))" if isinstance(callables, list) else
+             next((repr(f) for f in funcs if not callable(f)), None))
+    if wrong is not None:
+        raise TypeError(f"make_graphed_callables takes a module or function, or a tuple of them; got {wrong}")
+    _check_options(num_warmup_iters=(num_warmup_iters, int), allow_unused_input=(allow_unused_input, bool),
+                   auto_dispatch_capture=(auto_dispatch_capture, bool))
     args_list = (sample_args,) if single else tuple(sample_args)
     kwargs_list = ((sample_kwargs or {}),) if single else tuple(sample_kwargs or ({},) * len(funcs))
+    if not all(isinstance(kwargs, dict) for kwargs in kwargs_list):
+        raise TypeError("make_graphed_callables: sample_kwargs must be a dict of keyword tensors (a tuple of dicts, "
+                        f"one per callable, for several); got {type(sample_kwargs).__name__}")
     if not (len(args_list) == len(kwargs_list) == len(funcs)):
         raise ValueError(f"make_graphed_callables: {len(funcs)} callables but {len(args_list)} sample_args and "
                          f"{len(kwargs_list)} sample_kwargs")
@@ -662,6 +671,13 @@ def make_graphed_callables(
         else:
             results.append(_graphed_function(state))
     return results[0] if single else tuple(results)
+
+
+def _check_options(**options: Tuple[Any, type]) -> None:
+    for name, (value, kind) in options.items():
+        if type(value) is not kind or (kind is int and value < 0):
+            raise ValueError(f"make_graphed_callables: {name} must be "
+                             f"{'a whole number >= 0' if kind is int else 'True or False'}, got {value!r}")
 
 
 def _graphed_function(state: GraphedCallable) -> Callable:

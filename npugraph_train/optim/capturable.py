@@ -8,7 +8,8 @@ trains wrong, so the check here runs on every backend::
     optimizer = make_capturable(torch.optim.AdamW(model.parameters(), lr=1e-3))
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, 10)   # updates the lr tensor in place
 
-Supported: SGD, Adam, AdamW, Adamax, NAdam, RAdam, RMSprop, Rprop, ASGD, Adadelta (foreach). Refused, with
+Supported: SGD, Adam, AdamW, Adamax, NAdam, RAdam, RMSprop, Rprop, ASGD, Adadelta (foreach), and their subclasses
+(an SGD subclass that overrides ``step`` is refused: subclass :class:`CapturableSGD`). Refused, with
 the alternative: Adagrad, LBFGS, SparseAdam and other classes, ``fused=True``, torch_npu's ``NpuFused*``.
 What it does, keeping the optimizer object and its state:
 
@@ -245,10 +246,13 @@ def retensor_lrs(places: List[Tuple[Any, str, int, torch.Tensor]]) -> None:
 
 
 def _capturable_class(cls: Type[Optimizer]) -> Type[Optimizer]:
-    base = CapturableSGD if cls is SGD else cls
     if cls not in _classes:
+        # SGD's step reads the lr on the host: CapturableSGD's goes before it, also in a subclass that keeps it
+        # (one that overrides it is refused).
+        bases = (cls,) if not issubclass(cls, SGD) or issubclass(cls, CapturableSGD) else (
+            (CapturableSGD,) if cls is SGD else (CapturableSGD, cls))
         # Named like the class it converts: LearningRateMonitor and loggers key metrics on the class name.
-        _classes[cls] = type(cls.__name__, (CapturableOptimizer, base),
+        _classes[cls] = type(cls.__name__, (CapturableOptimizer, *bases),
                              {"__qualname__": f"Capturable{cls.__name__}", "_torch_class": cls})
     return _classes[cls]
 
@@ -308,6 +312,11 @@ def _refuse_unsupported(opt: Optimizer) -> None:
         raise MisconfigurationException(
             f"{cls.__name__} is not known to be capture-safe: npugraph_train can make SGD, "
             f"{', '.join(c.__name__ for c in _CAPTURABLE_FLAG)} capturable. Use one of them, {_KEEP_EAGER}")
+    if isinstance(opt, SGD) and not isinstance(opt, CapturableSGD) and cls.step is not SGD.step:
+        raise MisconfigurationException(
+            f"{cls.__name__} overrides SGD.step, whose lr the step reads on the host (alpha=-lr), a value a captured "
+            "step would freeze; subclass npugraph_train.optim.CapturableSGD instead (it multiplies by a device lr), "
+            f"or {_KEEP_EAGER}")
 
 
 def _retarget_scheduler_wrapper(opt: Optimizer) -> None:
