@@ -319,7 +319,7 @@ def _plain(value: Any) -> Any:
     return value.value if isinstance(value, enum.Enum) else value  # GradClipAlgorithmType.NORM: 'norm'
 
 
-def with_values_inside(module: torch.nn.Module, names: Iterable[str]) -> List[str]:
+def _with_values_inside(module: torch.nn.Module, names: Iterable[str]) -> List[str]:
     """Those of the attributes ``names`` that hold an object of a plain class of the user's own code (a KL annealer:
     not a module, tensor, container, enum or config object, nor a library's) with numbers, flags or strings among
     its fields: what the step read of them is baked in, and a change inside them is not seen (only their
@@ -387,7 +387,7 @@ class BakedSetup:
         self._bound: Tuple[list, list, list, list] = ([], [], [], [])
         self._bound_memory: List[int] = []
         self._kept_grads: List[Tuple[torch.Tensor, torch.Tensor]] = []
-        self.values_inside: List[str] = []  # see with_values_inside
+        self.values_inside: List[str] = []  # see _with_values_inside
 
     def track_lrs(self, groups: List[Dict[str, Any]]) -> None:
         """The lr tensors that eager steps and the coming capture read (after the optimizer's conversion)."""
@@ -451,7 +451,7 @@ class BakedSetup:
             and not is_config(values[name]))
         from_class = sorted(name for name in watched_root - set(values) if (id(module), name) not in written
                             and _class_held_value(type(module), name))
-        self.values_inside = with_values_inside(module, self._objects_read)
+        self.values_inside = _with_values_inside(module, self._objects_read)
         self._objects_read += from_class
         self._read_through_class = bool(from_class)
         # Containers are compared entry by entry (they change in place).

@@ -199,9 +199,10 @@ class GraphedCallable:
         self._bound_labels, self._bound_dicts, self._bound_names = columns(watched, 3)
         self._bound_seen = self._bound_now()
         # The memory of the tensors the graphs read (a buffer's .data = ... keeps the tensor, not its memory).
-        self._read_tensors = [(name, t) for sig in self.signatures.values()
-                              for name, holder, key, t in sig.read_bindings if (id(holder), key) not in written]
-        self._read_memory = [t.data_ptr() for _, t in self._read_tensors]
+        self._read_labels, self._read_tensors = columns(
+            [(name, t) for sig in self.signatures.values() for name, holder, key, t in sig.read_bindings
+             if (id(holder), key) not in written], 2)
+        self._read_memory = list(map(torch.Tensor.data_ptr, self._read_tensors))
 
     def _bound_now(self) -> List[Any]:
         return list(map(dict.get, self._bound_dicts, self._bound_names))
@@ -216,8 +217,8 @@ class GraphedCallable:
                          if now is not was)
             return (f"the tensor in its attribute {label} was replaced ({label} = ...)",
                     f"fill it in place ({label}.copy_(...), .fill_(...)) to keep the graphs")
-        if [t.data_ptr() for _, t in self._read_tensors] != self._read_memory:
-            label = next(label for (label, t), address in zip(self._read_tensors, self._read_memory)
+        if list(map(torch.Tensor.data_ptr, self._read_tensors)) != self._read_memory:
+            label = next(label for label, t, address in zip(self._read_labels, self._read_tensors, self._read_memory)
                          if t.data_ptr() != address)
             return (f"the tensor in its attribute {label} was given new memory ({label}.data = ..., "
                     f"{label}.set_(...))", f"fill it in place ({label}.copy_(...), .fill_(...)) to keep the graphs")
