@@ -1823,6 +1823,63 @@ class TestModuleState:
         attn(torch.randn(2, 1, 4).expand(-1, 3, -1))
         assert ng.graphed_state(attn).report()["replays"] == 1
 
+    def test_column_views_of_one_tensor_replay_as_eager_in_their_own_layout(self):
+        # Kernels read a column view (row stride 5) otherwise than a dense copy of it: the CPU's matmul gives
+        # other last bits. The graph's copies keep the views' strides, alignment and shared memory.
+        class TwoInputs(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.features, self.label = nn.Linear(4, 8), nn.Linear(1, 8)
+
+            def forward(self, x, y):
+                return self.features(x) * self.label(y)
+
+        torch.manual_seed(0)
+        graphed, eager = TwoInputs(), TwoInputs()
+        eager.load_state_dict(graphed.state_dict())
+        sample = torch.randn(8, 5, requires_grad=True)
+        ng.make_graphed_callables(graphed, (sample[:, :4], sample[:, 4:]))
+        for _ in range(3):
+            data = torch.randn(8, 5)
+            grads = []
+            for module in (graphed, eager):
+                batch = data.clone().requires_grad_()
+                out = module(batch[:, :4], batch[:, 4:])
+                out.square().sum().backward()
+                grads.append((out.detach(), batch.grad, *[p.grad.clone() for p in module.parameters()]))
+            assert all(torch.equal(a, b) for a, b in zip(*grads))
+        assert ng.graphed_state(graphed).report()["replays"] == 3
+
+    def test_static_copies_keep_strides_alignment_and_shared_memory(self):
+        from npugraph_train.graphed.static_inputs import ALIGNMENT, static_copies
+        base = torch.randn(8, 5)
+        x, y, flag = static_copies([base[:, :4], base[:, 4:], True])
+        assert (x.stride(), y.stride(), flag) == ((5, 1), (5, 1), True)
+        assert torch.equal(x, base[:, :4]) and torch.equal(y, base[:, 4:])
+        assert (x.data_ptr() - base.data_ptr()) % ALIGNMENT == 0 and y.data_ptr() - x.data_ptr() == 16
+        assert x.untyped_storage().data_ptr() != base.untyped_storage().data_ptr()
+        # overlapping views get separate copies in their strides: a write to one is not the other's
+        seq = torch.randn(2, 6)
+        inp, tgt = static_copies([seq[:, :-1], seq[:, 1:]])
+        inp.zero_()
+        assert tgt.stride() == (6, 1) and torch.equal(tgt, seq[:, 1:])
+        # an expanded tensor and a narrow slice of a wide one are copied densely; a tensor passed twice is one copy
+        narrow = torch.randn(16, 4096)[:, :4]
+        expanded, narrow, again = static_copies([base[:1].expand(3, 5), narrow, narrow])
+        assert expanded.is_contiguous() and narrow.is_contiguous() and again is narrow
+        leaf = torch.randn(3, requires_grad=True)
+        assert static_copies([leaf])[0].requires_grad
+        with torch.no_grad():
+            assert not static_copies([leaf])[0].requires_grad
+
+    def test_a_call_in_another_layout_than_the_capture_s_is_another_signature(self):
+        linear = ng.make_graphed_callables(nn.Linear(4, 3), (torch.zeros(8, 5)[:, :4],))
+        linear(torch.randn(8, 5)[:, 1:])
+        linear(torch.randn(8, 4))
+        state = ng.graphed_state(linear)
+        assert state.report()["replays"] == 1
+        assert "differs from a captured one only in memory layout" in list(state.eager_calls)[0]
+
     def test_backwards_out_of_capture_order_in_one_pool_are_refused(self):
         first, second = ng.make_graphed_callables((nn.Linear(4, 4), nn.Linear(4, 4)),
                                                   ((torch.zeros(3, 4),), (torch.zeros(3, 4),)), names=["a", "b"])

@@ -16,7 +16,7 @@ from ..config import NPUGraphConfig
 from ..graphed import GraphCaptureError, graph_safe_modules, graphed_state, make_graphed_callables, ungraph
 from ..graphed.backends import Backend
 from ..graphed.marker import GraphSafeOptions, merge_options
-from ..graphed.signatures import static_copies
+from ..graphed.static_inputs import static_copies
 from ..graphed.user_code import calls_made_at, user_source_line
 from .batch import BatchKey, describe, key_of, ready_to_capture
 from .report import ENDED_BEFORE_CAPTURE, NOT_CAPTURED

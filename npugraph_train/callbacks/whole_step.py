@@ -38,7 +38,7 @@ from ..graphed.backends import Backend
 from ..graphed.callables import RECAPTURES_BEFORE_EAGER
 from ..graphed.captured import recording_assignments
 from ..graphed.settings import ModuleSettings, configs_in, recording_config_reads
-from ..graphed.signatures import static_copies
+from ..graphed.static_inputs import disjoint, static_copies
 from ..graphed.state_attributes import MODULE_INTERNALS, StateAttributes, storage_address, tensors_in
 from ..graphed.user_code import warn_at_user_code
 from ..optim import check_capture_safe, clip_grad_norm_, make_capturable, unwrap
@@ -81,11 +81,7 @@ def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
     address = storage_address(a)
     if address is None or address != storage_address(b):
         return False
-    if a.element_size() != b.element_size():
-        return True  # views of another dtype: assume they overlap
-    size = a.untyped_storage().nbytes() // a.element_size()
-    offsets = [torch.arange(size).as_strided(t.shape, t.stride(), t.storage_offset()).flatten() for t in (a, b)]
-    return bool(torch.isin(offsets[0], offsets[1]).any())
+    return a.element_size() != b.element_size() or not disjoint([a, b])  # views of another dtype: assume they do
 
 
 def _batch_entry_names(batch: Any, count: int, indices: Tuple[int, ...]) -> List[str]:

@@ -55,7 +55,8 @@ from .captured import (CapturedSignature, SignatureStats, batch_ids, capture_sig
                        may_keep_grad, saved_tensors_hooked)
 from .errors import GraphCaptureError, GraphStateError
 from .signatures import (Signature, describe_signature, difference_hint, flatten_call, is_constant, serves, signature,
-                         static_copies, within)
+                         within)
+from .static_inputs import static_copies
 from .settings import ModuleSettings
 from .state_attributes import adopted, attribute_path, columns, recomputed_by_hooks
 from .user_code import warn_at_user_code

@@ -27,7 +27,8 @@ from .graphs import Graph, graph
 from .host_random import HostRandom
 from .attribute_reads import assigned_since, assignment_count
 from .settings import ModuleSettings, recording_config_reads
-from .signatures import Signature, describe_signature, unique_tensors
+from .signatures import Signature, describe_signature
+from .static_inputs import unique_tensors
 from .state_attributes import (MODULE_INTERNALS, StateAttributes, StorageReads, attribute_path, carried_state_message,
                                is_setting, storage_address, tensors_in)
 from .write_log import WarmupWrites

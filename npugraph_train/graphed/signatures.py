@@ -12,6 +12,7 @@ import torch
 from torch.utils._pytree import TreeSpec, tree_flatten
 
 from .backends import Backend
+from .static_inputs import keeps_layout
 
 
 def is_constant(leaf: Any) -> bool:
@@ -29,14 +30,14 @@ _LAYOUTS: Dict[Tuple[tuple, tuple], Optional[tuple]] = {}
 
 def _strided_layout(t: torch.Tensor) -> Optional[tuple]:
     # (For a tensor that is not contiguous.) Kernels may pick another algorithm for another layout (a transposed or
-    # channels_last input): a replay on a copy in the capture's layout would not give eager's bits. The layout is
-    # that of the static copy a call's tensor would get (clone keeps a dense layout, densifies an expanded one);
-    # strides of size-1 dims say nothing.
+    # channels_last input, a column view): a replay on a copy in the capture's layout would not give eager's bits.
+    # The layout is that of the static copy a call's tensor would get (its own, or for an expanded one or a narrow
+    # slice of a wide one a dense copy's); strides of size-1 dims say nothing.
     key = (tuple(t.shape), t.stride())
     if key not in _LAYOUTS:
         if len(_LAYOUTS) > 4096:  # varying lengths of a non-contiguous input: keep the cache small
             _LAYOUTS.clear()
-        copy_strides = torch.empty_like(t, device="meta").stride()
+        copy_strides = t.stride() if keeps_layout(t) else torch.empty_like(t, device="meta").stride()
         dense = torch.empty(t.shape, device="meta").stride() == copy_strides
         _LAYOUTS[key] = None if dense else tuple(st if size > 1 else 0 for size, st in zip(t.shape, copy_strides))
     return _LAYOUTS[key]
@@ -59,15 +60,6 @@ def _tensor_signature(t: torch.Tensor, grad_enabled: bool) -> tuple:
 
 def _is_tensor_leaf(leaf: tuple) -> bool:
     return len(leaf) == 5
-
-
-def unique_tensors(leaves: Sequence[Any]) -> List[torch.Tensor]:
-    """The tensors among ``leaves``, each once (a tensor passed as q, k and v is one graph input)."""
-    unique: Dict[int, torch.Tensor] = {}
-    for t in leaves:
-        if isinstance(t, torch.Tensor):
-            unique.setdefault(id(t), t)
-    return list(unique.values())
 
 
 def aliases(leaves: Sequence[Any]) -> Tuple[int, ...]:
@@ -106,15 +98,6 @@ def signature(spec: Any, leaves: Sequence[Any], backend: Backend, param_flags: T
     return _new_tuple(Signature, (_SPEC_TOKENS.get(id(spec), spec),
                                   tuple(_leaf_signature(t, grad_enabled) for t in leaves),
                                   backend.autocast_state(), param_flags, aliases(leaves)))
-
-
-def static_copies(flat: Sequence[Any]) -> List[Any]:
-    # Copies, never the caller's tensors (a tensor shared by two callables would be one static buffer), one
-    # per distinct tensor, so that a tensor passed twice stays one input whose gradient is counted once. Made
-    # under no_grad, none requires grad: such a call is captured as for inputs that need no gradient.
-    grad_enabled = torch.is_grad_enabled()
-    copies = {id(t): t.detach().clone().requires_grad_(t.requires_grad and grad_enabled) for t in unique_tensors(flat)}
-    return [copies[id(t)] if isinstance(t, torch.Tensor) else t for t in flat]
 
 
 def _keyword_labels(spec: Any) -> List[str]:
