@@ -104,7 +104,9 @@ class NPUGraphConfig:
                         if not _is_hydra_key(key)}
             _check_known(settings)
             modules = settings.get("modules")
-            if modules is None or isinstance(modules, str):  # None: no patterns, as in the constructor
+            # None is no patterns, as in the constructor; a string or mapping is refused as there (OmegaConf's merge
+            # would not name the setting). Items go through OmegaConf: an index on a Hydra command line is a name.
+            if modules is None or isinstance(modules, str) or not _is_sequence(modules):
                 settings["modules"] = _modules_list(modules)
             missing = [key for key, value in settings.items() if isinstance(value, str) and value == "???"]
             if missing:  # merged into the schema, OmegaConf's "missing" would silently keep the default

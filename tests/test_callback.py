@@ -352,6 +352,9 @@ class TestConfig:
             NPUGraphCallback.from_config(OmegaConf.create({"warmup_steps": "three"}))
         with pytest.raises(MisconfigurationException, match="modules='blocks.\\*' is a string, not a list"):
             NPUGraphCallback.from_config({"modules": "blocks.*"})
+        with pytest.raises(MisconfigurationException, match=re.escape("NPUGraphConfig.modules={'blocks': 1} is not "
+                                                                      "valid; expected a list")):
+            NPUGraphCallback.from_config(OmegaConf.create({"modules": {"blocks": 1}}))
         assert NPUGraphCallback.from_config({"modules": None}).config.modules == []  # as the constructor and Hydra
         # OmegaConf's conversion, as for other settings: an index on a Hydra command line (modules=[0]) is a name
         assert NPUGraphCallback.from_config(OmegaConf.create({"modules": [0, "head"]})).config.modules == ["0", "head"]

@@ -600,6 +600,28 @@ class TestMisuse:
         with pytest.raises(ValueError, match="global, thread_local, relaxed"):
             ng.graph(ng.Graph(), capture_error_mode="strict")
 
+    def test_capture_begin_twice(self):
+        g = ng.Graph()
+        with ng.stream(ng.new_stream()):
+            g.capture_begin()
+            with pytest.raises(ng.GraphStateError, match=r"already capturing; call capture_end\(\) first"):
+                g.capture_begin()
+            torch.ones(1) + 1
+            g.capture_end()
+        g.replay()
+
+    def test_a_pool_or_stream_that_is_not_one_is_refused(self):
+        # every backend's pool handle is a pair of ints; the emulator would otherwise take anything
+        with pytest.raises(ValueError, match=r"graph: pool=.object.*graph_pool_handle\(\) or another graph's pool"):
+            ng.graph(ng.Graph(), pool=object())
+        with ng.stream(ng.new_stream()), pytest.raises(ValueError, match="Graph.capture_begin: pool=3"):
+            ng.Graph().capture_begin(pool=3)
+        with pytest.raises(TypeError, match="got a str as stream; make one with npugraph_train.graphed.new_stream"):
+            with ng.graph(ng.Graph(), stream="side"):
+                pass
+        with ng.graph(ng.Graph(), pool=ng.graph_pool_handle()):  # the refusals left no capture behind
+            pass
+
 
 class TestBackendSelection:
     def test_env_var_chooses(self, monkeypatch):

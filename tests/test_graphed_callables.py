@@ -1471,6 +1471,9 @@ class TestMarker:
         assert ng.is_graph_safe(model[0]) and not ng.is_graph_safe(model[2])
         assert ng.graph_safe_options(model[3]).max_signatures == 4
         assert ng.graph_safe_options(model[4]).num_warmup_iters == 11
+        ng.graph_safe(model[3], allow_unused_input=True)  # an instance of a marked class: its options on top
+        assert ng.graph_safe_options(model[3]) == ng.GraphSafeOptions(max_signatures=4, allow_unused_input=True)
+        assert ng.graph_safe_options(Decoder(2, 2)).allow_unused_input is None
         assert not ng.is_graph_safe(nn.Linear(2, 2)), "marking an instance leaves its class alone"
         assert [n for n, _ in ng.graph_safe_modules(model)] == ["0", "1.0", "3", "4"]
 
@@ -2434,6 +2437,9 @@ def test_calls_under_saved_tensor_hooks_run_eager_so_the_hooks_apply():
      r"sample_kwargs must be a dict of keyword tensors"),
     (lambda m, x: ng.make_graphed_callables([m, m], ((x,), (x,))), TypeError, r"got a list \(pass tuple\(\.\.\.\)\)"),
     (lambda m, x: ng.make_graphed_callables((), ()), TypeError, r"got an empty tuple"),
+    (lambda m, x: ng.make_graphed_callables(m, (x,), names=[3]), TypeError, r"names must be strings .*got 3"),
+    (lambda m, x: ng.make_graphed_callables(m, (x,), pool="shared"), ValueError,
+     r"pool='shared' is not a memory pool handle"),
 ])
 def test_bad_arguments_to_make_graphed_callables_are_named(call, error, message):
     with pytest.raises(error, match=message):

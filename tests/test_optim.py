@@ -146,6 +146,8 @@ def test_unknown_and_fused_optimizers_are_refused():
     with pytest.raises(MisconfigurationException, match="LBFGS is not known to be capture-safe.*Use one of them, "
                                                         "or, with NPUGraphCallback, use mode='submodules'"):
         make_capturable(torch.optim.LBFGS(_model().parameters()))
+    with pytest.raises(TypeError, match="make_capturable takes a torch.optim.Optimizer .* got Linear"):
+        make_capturable(nn.Linear(2, 2))
     fused = torch.optim.AdamW(_model().parameters(), lr=torch.tensor(0.01), fused=True, capturable=True)
     with pytest.raises(MisconfigurationException, match="fused=True.*foreach=True"):
         make_capturable(fused)
@@ -283,6 +285,7 @@ def test_plain_lr_is_the_shortest_decimal_of_the_float32(written):
     plain = plain_lr(lr)
     assert torch.tensor(plain, dtype=torch.float32).item() == lr.item(), "restoring it gives the same lr tensor"
     assert len(repr(plain)) <= len(repr(written)) and len(repr(plain)) < len(repr(lr.item()))
+    assert plain_lr(written) == written, "a float lr is already plain"
 
 
 def test_float64_parameters_get_a_float64_lr_written_back_exactly():

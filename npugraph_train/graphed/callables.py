@@ -50,7 +50,7 @@ from torch.utils._pytree import tree_flatten
 from torch.utils.hooks import RemovableHandle
 
 from .backends import Backend, get_backend
-from .backends.base import check_capture_error_mode
+from .backends.base import check_capture_error_mode, check_pool
 from .captured import (CapturedSignature, SignatureStats, batch_ids, capture_signatures, in_checkpoint_forward,
                        may_keep_grad, saved_tensors_hooked)
 from .errors import GraphCaptureError, GraphStateError
@@ -640,7 +640,12 @@ def make_graphed_callables(
     bad = [limit for limit in limits if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1]
     if bad:
         raise ValueError(f"make_graphed_callables: max_signatures must be whole numbers >= 1, got {bad[0]!r}")
+    bad = [name for name in names if not isinstance(name, str)]
+    if bad:
+        raise TypeError(f"make_graphed_callables: names must be strings (module names for errors and reports), got "
+                        f"{bad[0]!r}")
     check_capture_error_mode(capture_error_mode, "make_graphed_callables")
+    check_pool(pool, "make_graphed_callables")
     if torch.is_inference_mode_enabled():
         # The static inputs would be inference tensors, which later training calls cannot write.
         raise GraphCaptureError("make_graphed_callables under torch.inference_mode(): graphs for training calls "

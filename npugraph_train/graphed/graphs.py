@@ -30,7 +30,7 @@ import threading
 from typing import Any, ContextManager, Dict, List, Optional, Union
 
 from .backends import Backend, get_backend
-from .backends.base import NO_UPDATE, check_capture_error_mode
+from .backends.base import NO_UPDATE, check_capture_error_mode, check_pool
 from .errors import GraphCaptureError, GraphStateError
 from .host_read_hints import library_hint
 from .user_code import raised_through, user_source_line
@@ -60,6 +60,9 @@ class Graph:
         global _active_capture
         self.backend.before_capture()
         with _capture_lock:
+            if _active_capture is self:
+                raise GraphStateError("capture_begin() while this graph is already capturing; call capture_end() "
+                                      "first")
             if _active_capture is not None:
                 raise GraphStateError(
                     "nested graph capture: another graph is being captured; finish it (capture_end() or "
@@ -81,6 +84,7 @@ class Graph:
     def capture_begin(self, pool: Any = None, capture_error_mode: str = "global") -> None:
         """Begin capturing work on the current stream (which must not be the default stream)."""
         check_capture_error_mode(capture_error_mode, "Graph.capture_begin")
+        check_pool(pool, "Graph.capture_begin")
         self._start_capture()
         try:
             self.native.capture_begin(pool=pool, capture_error_mode=capture_error_mode)
@@ -187,6 +191,7 @@ class graph:
         if not isinstance(npu_graph, Graph):
             raise TypeError(f"graph() needs an npugraph_train.graphed.Graph, got {type(npu_graph).__name__}")
         check_capture_error_mode(capture_error_mode, "graph")
+        check_pool(pool, "graph")
         if auto_dispatch_capture and not npu_graph.backend.supports_update:
             raise NotImplementedError(f"auto_dispatch_capture=True on the {npu_graph.backend.name} backend: it "
                                       f"{NO_UPDATE}")

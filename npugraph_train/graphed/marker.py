@@ -84,12 +84,14 @@ def graph_safe(obj: Any = None, **options: Any) -> Any:
 
 
 def graph_safe_options(module: nn.Module) -> Optional[GraphSafeOptions]:
-    """The options the module was marked with, or None if it is not marked."""
-    mark = getattr(module, _ATTR, None)
-    if mark is None:
-        return None
-    owner, opts = mark
-    return opts if owner is module or owner is type(module) else None
+    """The options the module was marked with, or None if it is not marked. An instance marked as well as its
+    class has the class's options with the instance's own on top."""
+    own, of_class = vars(module).get(_ATTR), getattr(type(module), _ATTR, None)
+    own = own[1] if own is not None and own[0] is module else None
+    of_class = of_class[1] if of_class is not None and of_class[0] is type(module) else None
+    if own is None or of_class is None:
+        return own or of_class
+    return replace(of_class, **{k: v for k, v in vars(own).items() if v is not None})
 
 
 def is_graph_safe(module: nn.Module) -> bool:

@@ -33,7 +33,7 @@ import functools
 import importlib
 import struct
 import weakref
-from typing import Any, Dict, Iterator, List, SupportsIndex, Tuple, Type
+from typing import Any, Dict, Iterator, List, SupportsIndex, Tuple, Type, Union
 
 import torch
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
@@ -182,11 +182,13 @@ def _plain_settings(group: Dict[str, Any]) -> Dict[str, Any]:
             "foreach": group.get("foreach")}
 
 
-def plain_lr(lr: torch.Tensor) -> float:
+def plain_lr(lr: Union[torch.Tensor, float]) -> float:
     """The shortest decimal whose float32 is ``lr``: 1e-3 as the user wrote it, not 0.0010000000474974513.
 
-    A float64 ``lr`` (``precision="64-true"``) is a Python float already: its value, exactly.
+    A float64 ``lr`` (``precision="64-true"``) is a Python float already: its value, exactly; so is a float.
     """
+    if not isinstance(lr, torch.Tensor):
+        return float(lr)
     value = lr.item()
     if lr.dtype != torch.float32:
         return value
@@ -296,6 +298,9 @@ def check_capture_safe(optimizer: Any, tensor_lr_needed: bool) -> None:
 
 def _refuse_unsupported(opt: Optimizer) -> None:
     cls = type(opt)
+    if not isinstance(opt, Optimizer):
+        raise TypeError(f"make_capturable takes a torch.optim.Optimizer (or Lightning's LightningOptimizer), got "
+                        f"{cls.__name__}")
     if cls.__module__.startswith("torch_npu"):
         base = cls.__name__.replace("NpuFused", "")
         instead = f"torch.optim.{base}" if hasattr(torch.optim, base) else "a torch.optim optimizer (e.g. AdamW)"

@@ -15,6 +15,14 @@ def check_capture_error_mode(mode: str, caller: str) -> None:
         raise ValueError(f"{caller}: capture_error_mode={mode!r}; choose one of {', '.join(CAPTURE_ERROR_MODES)}")
 
 
+def check_pool(pool: Any, caller: str) -> None:
+    # Every backend's handle is a pair of ints (torch's MempoolId_t); the emulator would take anything.
+    if pool is not None and not (isinstance(pool, tuple) and len(pool) == 2
+                                 and all(isinstance(i, int) and not isinstance(i, bool) for i in pool)):
+        raise ValueError(f"{caller}: pool={pool!r:.60} is not a memory pool handle; pass one from "
+                         "npugraph_train.graphed.graph_pool_handle() or another graph's pool(), or None")
+
+
 NO_UPDATE = ("needs torch_npu's graph update mechanism; re-capture one graph per host value, or pass the values "
              "as device tensors")
 

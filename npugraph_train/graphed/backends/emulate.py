@@ -255,6 +255,9 @@ def _current_stream() -> EmulatedStream:
 
 @contextmanager
 def _stream(stream: Optional[EmulatedStream]) -> Iterator[None]:
+    if stream is not None and not isinstance(stream, EmulatedStream):
+        raise TypeError(f"the emulate backend got a {type(stream).__name__} as stream; make one with "
+                        "npugraph_train.graphed.new_stream()")
     if stream is None:
         yield
         return
