@@ -9,7 +9,7 @@ Marking changes nothing by itself; :class:`npugraph_train.NPUGraphCallback` (or 
     @graph_safe(max_signatures=4)      # options the callback reads
     class Decoder(nn.Module): ...
 
-    graph_safe(model.encoder)          # mark one instance
+    graph_safe(model.encoder)          # mark one instance (of a marked class: its options on top)
 
 A class mark applies to instances of exactly that class, not to subclasses, which may override
 ``forward`` with code that is not capture-safe.
