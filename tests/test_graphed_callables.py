@@ -1820,7 +1820,8 @@ class TestModuleState:
             assert torch.equal(out, ref) and out.stride() == ref.stride()
         state = ng.graphed_state(conv)
         assert state.report()["replays"] == 1
-        assert "differs from a captured one only in memory layout" in list(state.eager_calls)[0]
+        assert "differs from the captured (float32[2, 3, 8, 8] strides [192, 1, 24, 3]) only in memory layout " \
+               "(strides): pass inputs laid out as at capture, or allow one more signature" in list(state.eager_calls)[0]
         # an expanded input is copied densely, as its sample was: the same signature
         attn = ng.make_graphed_callables(nn.Linear(4, 4), (torch.zeros(2, 3, 4),))
         attn(torch.randn(2, 1, 4).expand(-1, 3, -1))
@@ -1866,10 +1867,11 @@ class TestModuleState:
         inp, tgt = static_copies([seq[:, :-1], seq[:, 1:]])
         inp.zero_()
         assert tgt.stride() == (6, 1) and torch.equal(tgt, seq[:, 1:])
-        # an expanded tensor and a narrow slice of a wide one are copied densely; a tensor passed twice is one copy
-        narrow = torch.randn(16, 4096)[:, :4]
-        expanded, narrow, again = static_copies([base[:1].expand(3, 5), narrow, narrow])
-        assert expanded.is_contiguous() and narrow.is_contiguous() and again is narrow
+        # a slice of a wide batch keeps its strides; an expanded tensor, and a slice spread over a much larger
+        # tensor, are copied densely; a tensor passed twice is one copy
+        narrow, spread = torch.randn(16, 4096)[:, :4], torch.randn(2, 1 << 21)[:, :4]
+        kept, expanded, dense, again = static_copies([narrow, base[:1].expand(3, 5), spread, spread])
+        assert kept.stride() == (4096, 1) and expanded.is_contiguous() and dense.is_contiguous() and again is dense
         leaf = torch.randn(3, requires_grad=True)
         assert static_copies([leaf])[0].requires_grad
         with torch.no_grad():
@@ -1881,7 +1883,10 @@ class TestModuleState:
         linear(torch.randn(8, 4))
         state = ng.graphed_state(linear)
         assert state.report()["replays"] == 1
-        assert "differs from a captured one only in memory layout" in list(state.eager_calls)[0]
+        assert "only in memory layout (strides): pass inputs laid out as at capture, or" in list(state.eager_calls)[0]
+        contiguous_first = ng.make_graphed_callables(nn.Linear(4, 3), (torch.zeros(8, 4),))
+        contiguous_first(torch.randn(8, 5)[:, 1:])
+        assert "laid out as at capture (e.g. .contiguous())" in list(ng.graphed_state(contiguous_first).eager_calls)[0]
 
     def test_backwards_out_of_capture_order_in_one_pool_are_refused(self):
         first, second = ng.make_graphed_callables((nn.Linear(4, 4), nn.Linear(4, 4)),

@@ -1869,6 +1869,39 @@ def test_disjoint_views_of_one_batch_tensor_written_in_place_are_captured(kind):
     assert callback.report()[0]["replays"] >= 4 and _same(run([]), graphed)
 
 
+def test_a_batch_whose_entries_become_overlapping_views_after_capture_runs_those_steps_eager():
+    # Epoch 1 gives separate tensors (captured), epoch 2 views of one sequence: eager's in-place write to the
+    # input also changes the target there, which separate static buffers would not show (0.08 apart).
+    data = torch.randn(16, 5, generator=torch.Generator().manual_seed(0))
+    epochs = []
+
+    class Loader(torch.utils.data.DataLoader):
+        def __iter__(self):
+            epochs.append(len(epochs))
+            return super().__iter__()
+
+    def collate(rows):
+        seq = torch.stack(rows)
+        return (seq[:, :4], seq[:, 1:]) if len(epochs) > 1 else (seq[:, :4].clone(), seq[:, 1:].clone())
+
+    def run(callbacks):
+        epochs.clear()
+        torch.manual_seed(0)
+        model = ScalesFeatures()
+        model.head = nn.Linear(8, 4)
+        trainer(callbacks, max_epochs=2, val_check_interval=None, limit_val_batches=0).fit(
+            model, Loader(list(data), batch_size=2, collate_fn=collate))
+        return model
+
+    callback = NPUGraphCallback(mode="whole_step")
+    with pytest.warns(RuntimeWarning, match=r"training_step writes batch\[0\] in place, and batch\[1\] shares its "
+                                         r"memory.*; this step runs eager"):
+        graphed = run([callback])
+    report = callback.report()[0]
+    assert report["replays"] >= 3 and sum(report["eager_calls"].values()) >= 8
+    assert _same(run([]), graphed)
+
+
 class ChangesClipping(Callback):
     def __init__(self, name, value, at_step=6):
         self.name, self.value, self.at_step = name, value, at_step

@@ -515,6 +515,9 @@ class _WholeStepOptimization(_AutomaticOptimization):
                                        f"batch differs from the captured one: {VALUES_DIFFER}")
             return self.eager_step(optimizer, batch_idx, kwargs, f"batch {describe(key)} differs from the captured "
                                    "one", kind="shape")
+        shared = _shared_batch_written(kwargs["batch"], grapher.written_leaves)
+        if shared is not None:  # views of one tensor from this batch on (another collate in a later epoch)
+            return self.eager_step(optimizer, batch_idx, kwargs, f"{shared}; this step runs eager", kind="shared")
         result = grapher.replay_step(self, leaves, kwargs["batch"])
         progress = self.optim_progress.optimizer
         progress.zero_grad.increment_ready()

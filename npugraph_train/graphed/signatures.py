@@ -137,9 +137,12 @@ def difference_hint(key: Signature, captured: Iterable[Signature]) -> str:
     captured = list(captured)
     if any(without(_REQUIRES_GRAD, key) == without(_REQUIRES_GRAD, other) for other in captured):
         return "; it differs from a captured one only in which inputs require grad (marked *)"
-    if any(without(_LAYOUT, key) == without(_LAYOUT, other) for other in captured):
-        return ("; it differs from a captured one only in memory layout (strides): pass inputs laid out as at "
-                "capture (e.g. .contiguous())")
+    layout_only = next((other for other in captured if without(_LAYOUT, key) == without(_LAYOUT, other)), None)
+    if layout_only is not None:
+        dense = all(leaf[_LAYOUT] is None for leaf in layout_only.leaves if _is_tensor_leaf(leaf))
+        return (f"; it differs from the captured {describe_signature(layout_only)} only in memory layout (strides): "
+                f"pass inputs laid out as at capture{' (e.g. .contiguous())' if dense else ''}, or allow one more "
+                "signature (max_signatures)")
     if any(key._replace(autocast=other.autocast) == other for other in captured):
         return ("; it differs from a captured one only in its autocast state (calls under another torch.autocast, "
                 "or outside it): call it as at capture, or allow one more signature (max_signatures)")

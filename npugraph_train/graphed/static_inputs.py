@@ -17,9 +17,10 @@ import torch
 # Alignment, in bytes, that a copy's address keeps of its tensor's: the CUDA caching allocator's (the largest of
 # the backends'); vector loads and kernel choices depend on far less.
 ALIGNMENT = 512
-# A copy takes at most this many times its tensor's elements (plus SMALL elements) to keep the layout; a narrow
-# slice of a wide tensor (data[:, :4] of a [B, 4096] one) gets a dense copy instead, whose last bits may differ.
-MAX_SPREAD, SMALL = 4, 4096
+# A copy takes at most this many times its tensor's elements (plus SMALL elements: 4 MiB of float32) to keep the
+# layout: a slice of a batch is copied in its strides, while one that spreads over a much larger tensor (every
+# k-th row of a dataset kept on the device) gets a dense copy instead, on which kernels may round otherwise.
+MAX_SPREAD, SMALL = 16, 1 << 20
 
 
 def non_overlapping(shape: Sequence[int], stride: Sequence[int]) -> bool:
