@@ -224,18 +224,18 @@ class NPUGraphCallback(Callback):
             rank_zero_info(self.format_report())
 
     def on_exception(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", exception: BaseException) -> None:
-        self._release(trainer)
+        self._release(trainer, exception)
 
     def teardown(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
         self._release(trainer)
 
-    def _release(self, trainer: "pl.Trainer") -> None:
+    def _release(self, trainer: "pl.Trainer", stopped_by: Optional[BaseException] = None) -> None:
         self._undo_monitors()
         self._undo_monitors = _nothing
         if self._grapher is not None:
-            self._grapher.release()
+            self._grapher.release(stopped_by)
         if self._whole is not None:
-            self._whole.release()
+            self._whole.release(stopped_by)
             self._whole.uninstall(trainer)
 
     # report and state ----------------------------------------------------------------------------

@@ -7,6 +7,14 @@ NOT_CAPTURED = "not captured yet"
 ENDED_BEFORE_CAPTURE = "not captured: fit ended before capture"
 
 
+def ended_status(status: str, stopped_by: Optional[BaseException]) -> str:
+    """A status at the end of a fit: one that was still waiting for capture says why it never came."""
+    if status != NOT_CAPTURED:
+        return status
+    return ENDED_BEFORE_CAPTURE if stopped_by is None else (
+        f"not captured: the fit stopped before capture ({type(stopped_by).__name__}: {str(stopped_by):.200})")
+
+
 def _bytes(n: Optional[int]) -> str:
     if n is None:
         return "n/a"

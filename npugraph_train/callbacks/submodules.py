@@ -19,7 +19,7 @@ from ..graphed.marker import GraphSafeOptions, merge_options
 from ..graphed.static_inputs import static_copies
 from ..graphed.user_code import calls_made_at, user_source_line
 from .batch import BatchKey, describe, key_of, ready_to_capture
-from .report import ENDED_BEFORE_CAPTURE, NOT_CAPTURED
+from .report import NOT_CAPTURED, ended_status
 
 
 def select_modules(model: nn.Module, config: NPUGraphConfig) -> List[Tuple[str, nn.Module]]:
@@ -233,8 +233,9 @@ class SubmoduleGrapher:
 
         self._count_hooks.append(dict(self.modules)[name].register_forward_pre_hook(count))
 
-    def release(self) -> None:
-        """Restore the original forwards; keep the final counters for :meth:`report`."""
+    def release(self, stopped_by: Optional[BaseException] = None) -> None:
+        """Restore the original forwards; keep the final counters for :meth:`report` (``stopped_by``: the error
+        that ended the fit)."""
         self.stop_recording()
         # One step's module inputs and call lines, recorded for a capture that did not come or failed.
         self._samples, self._order, self._autocast, self._call_sites = {}, [], {}, {}
@@ -245,7 +246,7 @@ class SubmoduleGrapher:
             self._last_report = self.report()
         for _, module in self.modules:
             ungraph(module)
-        self.status = {name: ENDED_BEFORE_CAPTURE if why == NOT_CAPTURED else why for name, why in self.status.items()}
+        self.status = {name: ended_status(why, stopped_by) for name, why in self.status.items()}
 
     # report --------------------------------------------------------------------------------------
     def report(self) -> List[Dict[str, Any]]:

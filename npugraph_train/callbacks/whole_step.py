@@ -44,7 +44,7 @@ from ..graphed.user_code import warn_at_user_code
 from ..optim import check_capture_safe, clip_grad_norm_, make_capturable, unwrap
 from .batch import (MAX_CAPTURE_DELAY, VALUES_DIFFER, BatchKey, batch_key, describe, ready_to_capture,
                     values_differ)
-from .report import ENDED_BEFORE_CAPTURE, NOT_CAPTURED
+from .report import NOT_CAPTURED, ended_status
 from .step_checks import (BakedSetup, WatchedIndex, host_random_error, is_metric, python_outputs,
                           python_state_error, rebinding_error, recording_reads, refuse_scheduler_steps,
                           watch_host_counters)
@@ -429,8 +429,9 @@ class WholeStepGrapher:
         self.graph, self.static_leaves, self.static_result, self.static_grads = None, [], {}, []
         self.attributes, self.logs = None, None
 
-    def release(self) -> None:
-        """After fit: free the graph and its pool; what it leaves (gradients, written attributes) is copied out."""
+    def release(self, stopped_by: Optional[BaseException] = None) -> None:
+        """After fit: free the graph and its pool; what it leaves (gradients, written attributes) is copied out
+        (``stopped_by``: the error that ended the fit)."""
         for p, g in self.static_grads:
             if p.grad is g:  # a device pool stays reserved while any block of it lives
                 p.grad = g.clone()
@@ -438,8 +439,7 @@ class WholeStepGrapher:
             self.attributes.bind_copies(final=True)
         self._drop_graph()
         self.active = False
-        if self.status == NOT_CAPTURED:
-            self.status = ENDED_BEFORE_CAPTURE
+        self.status = ended_status(self.status, stopped_by)
         self.baked, self.optimizer = BakedSetup(), None
 
     def report(self) -> List[Dict[str, Any]]:

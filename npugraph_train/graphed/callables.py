@@ -554,7 +554,9 @@ def _check_callable(func: Callable, name: str, args: tuple, kwargs: Dict[str, An
                              ".prune, weight_norm, spectral_norm), which the graphs would not follow: they read the "
                              "tensor computed at capture. Make it permanent first (prune.remove, remove_weight_norm), "
                              "use torch.nn.utils.parametrizations.weight_norm / spectral_norm (computed inside the "
-                             "forward, so captured), or leave this module eager")
+                             "forward, so captured), or leave this module eager (in a Trainer: "
+                             "NPUGraphCallback(on_failure='eager'), or mode='whole_step', which captures the hooks "
+                             "with the step; Lightning's ModelPruning puts its hooks back every epoch)")
             hooks = [kind for kind in MODULE_HOOK_KINDS if sub_name and getattr(sub, kind, None)]
             if hooks:
                 functions = sorted({_function_name(f) for kind in hooks for f in getattr(sub, kind).values()})

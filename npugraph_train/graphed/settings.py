@@ -132,7 +132,8 @@ class ModuleSettings:
         for name in [*new, *(name for name in old if name not in new)]:
             was, value = old.get(name, _UNSET), new.get(name, _UNSET)
             if was is _UNSET or value is _UNSET:
-                return f"{name} was {'added' if was is _UNSET else 'removed'}"
+                return (f"{name} was added" if was is _UNSET else
+                        f"{name} no longer holds a number, flag or string (removed, or set to None)")
             if scalar_changed(was, value):
                 return _changed_words(name, was, value)
         return "submodule settings changed"
