@@ -1905,6 +1905,29 @@ def test_a_batch_whose_entries_become_overlapping_views_after_capture_runs_those
     assert _same(run([]), graphed)
 
 
+def test_only_the_batch_entries_a_step_writes_count_as_written():
+    # x and y, disjoint views of one tensor, get copies over one buffer; the step writes only x. A later batch whose
+    # y and w are one tensor's views replays: no entry it writes shares memory with another.
+    data = torch.randn(64, 5, generator=torch.Generator().manual_seed(0))
+    calls = []
+
+    class Weighted(ScalesFeatures):
+        def training_step(self, batch, batch_idx):
+            x, y, w = batch
+            return super().training_step((x, y), batch_idx) + 0 * w.sum()
+
+    def collate(rows):
+        calls.append(None)
+        b = torch.stack(rows)
+        return (b[:, :4], b[:, 4:], b[:, 4:].view(8, 1) if len(calls) > 4 else torch.ones(8, 1))
+
+    callback = NPUGraphCallback(mode="whole_step")
+    trainer([callback], max_steps=8, val_check_interval=None, limit_val_batches=0).fit(
+        Weighted(), torch.utils.data.DataLoader(list(data), batch_size=8, collate_fn=collate))
+    report = callback.report()[0]
+    assert report["replays"] == 5 and not report["eager_calls"]
+
+
 class ChangesClipping(Callback):
     def __init__(self, name, value, at_step=6):
         self.name, self.value, self.at_step = name, value, at_step

@@ -11,8 +11,11 @@ def ended_status(status: str, stopped_by: Optional[BaseException]) -> str:
     """A status at the end of a fit: one that was still waiting for capture says why it never came."""
     if status != NOT_CAPTURED:
         return status
-    return ENDED_BEFORE_CAPTURE if stopped_by is None else (
-        f"not captured: the fit stopped before capture ({type(stopped_by).__name__}: {str(stopped_by):.200})")
+    if stopped_by is None:
+        return ENDED_BEFORE_CAPTURE
+    lines = str(stopped_by).strip().splitlines()  # (a KeyboardInterrupt has none)
+    return (f"not captured: the fit stopped before capture ({type(stopped_by).__name__}"
+            f"{f': {lines[0]:.200}' if lines else ''})")
 
 
 def _bytes(n: Optional[int]) -> str:

@@ -38,7 +38,7 @@ from ..graphed.backends import Backend
 from ..graphed.callables import RECAPTURES_BEFORE_EAGER
 from ..graphed.captured import recording_assignments
 from ..graphed.settings import ModuleSettings, configs_in, recording_config_reads
-from ..graphed.static_inputs import disjoint, static_copies
+from ..graphed.static_inputs import disjoint, layout, static_copies
 from ..graphed.state_attributes import MODULE_INTERNALS, StateAttributes, storage_address, tensors_in
 from ..graphed.user_code import warn_at_user_code
 from ..optim import check_capture_safe, clip_grad_norm_, make_capturable, unwrap
@@ -81,7 +81,8 @@ def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
     address = storage_address(a)
     if address is None or address != storage_address(b):
         return False
-    return a.element_size() != b.element_size() or not disjoint([a, b])  # views of another dtype: assume they do
+    # (views of another dtype: assume they do)
+    return a.element_size() != b.element_size() or not disjoint((layout(a), layout(b)))
 
 
 def _batch_entry_names(batch: Any, count: int, indices: Tuple[int, ...]) -> List[str]:

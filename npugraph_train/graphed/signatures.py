@@ -12,7 +12,6 @@ import torch
 from torch.utils._pytree import TreeSpec, tree_flatten
 
 from .backends import Backend
-from .static_inputs import keeps_layout
 
 
 def is_constant(leaf: Any) -> bool:
@@ -29,15 +28,18 @@ _LAYOUTS: Dict[Tuple[tuple, tuple], Optional[tuple]] = {}
 
 
 def _strided_layout(t: torch.Tensor) -> Optional[tuple]:
-    # (For a tensor that is not contiguous.) Kernels may pick another algorithm for another layout (a transposed or
-    # channels_last input, a column view): a replay on a copy in the capture's layout would not give eager's bits.
-    # The layout is that of the static copy a call's tensor would get (its own, or for an expanded one or a narrow
-    # slice of a wide one a dense copy's); strides of size-1 dims say nothing.
+    # (For a tensor that is not contiguous.) Kernels may pick another algorithm for another dense layout (a
+    # transposed or channels_last input): a replay on a copy in the capture's layout would not give eager's bits.
+    # The layout is that of the dense tensor a call's tensor is (empty_like keeps a dense layout, densifies a view
+    # that is not dense): a column view or a chunk shares the signature of its dense equivalent, so that calls with
+    # such views replay graphs captured from a dense sample (make_graphed_callables(attn, (zeros, zeros, zeros))
+    # called with qkv.chunk(3, -1)); the static copy keeps the capture call's own layout (static_inputs), so calls
+    # laid out as at capture give eager's bits. Strides of size-1 dims say nothing.
     key = (tuple(t.shape), t.stride())
     if key not in _LAYOUTS:
         if len(_LAYOUTS) > 4096:  # varying lengths of a non-contiguous input: keep the cache small
             _LAYOUTS.clear()
-        copy_strides = t.stride() if keeps_layout(t) else torch.empty_like(t, device="meta").stride()
+        copy_strides = torch.empty_like(t, device="meta").stride()
         dense = torch.empty(t.shape, device="meta").stride() == copy_strides
         _LAYOUTS[key] = None if dense else tuple(st if size > 1 else 0 for size, st in zip(t.shape, copy_strides))
     return _LAYOUTS[key]

@@ -9,6 +9,7 @@ one buffer, as they share one tensor, so that the copies take no more memory tha
 """
 from __future__ import annotations
 
+import functools
 from collections import defaultdict
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
@@ -23,8 +24,16 @@ ALIGNMENT = 512
 MAX_SPREAD, SMALL = 16, 1 << 20
 
 
+Layout = Tuple[Tuple[int, ...], Tuple[int, ...], int]  # (shape, strides, storage offset), in elements
+
+
+def layout(t: torch.Tensor) -> Layout:
+    return tuple(t.shape), t.stride(), t.storage_offset()
+
+
 def non_overlapping(shape: Sequence[int], stride: Sequence[int]) -> bool:
-    """Whether no two elements of a strided layout share an address (an expanded tensor's do)."""
+    """Whether no two elements of a strided layout share an address (an expanded tensor's do). Some rare layouts
+    that do not overlap (shape (3, 2), strides (2, 3)) count as overlapping: they get dense copies."""
     extent = 0  # the largest offset reached by the dims taken so far, by increasing stride
     for st, size in sorted((st, size) for size, st in zip(shape, stride) if size > 1):
         if st <= extent:
@@ -34,27 +43,32 @@ def non_overlapping(shape: Sequence[int], stride: Sequence[int]) -> bool:
 
 
 def keeps_layout(t: torch.Tensor) -> bool:
-    """Whether :func:`static_copies` copies ``t`` in its own strides (else dense, as ``clone()`` does)."""
-    return (t.layout == torch.strided and t.numel() > 0 and non_overlapping(t.shape, t.stride())
-            and _span(t)[1] - _span(t)[0] <= MAX_SPREAD * t.numel() + SMALL)
+    """Whether :func:`static_copies` copies ``t`` in its own strides (else as ``clone()`` does: dense, and for a
+    tensor subclass or a quantized tensor in its own type)."""
+    if type(t) not in (torch.Tensor, torch.nn.Parameter) or t.layout != torch.strided or t.is_quantized or (
+            t.numel() == 0 or not non_overlapping(t.shape, t.stride())):
+        return False
+    first, end = _span(layout(t))
+    return end - first <= MAX_SPREAD * t.numel() + SMALL
 
 
-def _span(t: torch.Tensor) -> Tuple[int, int]:
-    """The element offsets of its storage that ``t`` reaches: [first, last + 1)."""
-    first = t.storage_offset()
-    return first, first + sum(st * (size - 1) for size, st in zip(t.shape, t.stride())) + 1
+def _span(view: Layout) -> Tuple[int, int]:
+    """The element offsets of a storage that a view reaches: [first, last + 1)."""
+    shape, stride, first = view
+    return first, first + sum(st * (size - 1) for size, st in zip(shape, stride)) + 1
 
 
-def disjoint(group: Sequence[torch.Tensor]) -> bool:
+@functools.lru_cache(maxsize=256)  # whole_step asks on every replayed step, for the same layouts
+def disjoint(views: Tuple[Layout, ...]) -> bool:
     """Whether views of one storage (of one dtype) share no element."""
-    spans = sorted(_span(t) for t in group)
+    spans = sorted(map(_span, views))
     if all(end <= next_first for (_, end), (next_first, _) in zip(spans, spans[1:])):
         return True
     first = spans[0][0]
     # Marks each view's elements in a mask of the span they reach (on the CPU: only offsets are compared).
     taken = torch.zeros(max(end for _, end in spans) - first, dtype=torch.bool)
-    for t in group:
-        mine = taken.as_strided(t.shape, t.stride(), t.storage_offset() - first)
+    for shape, stride, offset in views:
+        mine = taken.as_strided(shape, stride, offset - first)
         if bool(mine.any()):
             return False
         mine.fill_(True)
@@ -62,17 +76,21 @@ def disjoint(group: Sequence[torch.Tensor]) -> bool:
 
 
 def _buffer_views(group: List[torch.Tensor]) -> Optional[List[torch.Tensor]]:
-    """Views of one new buffer laid out as ``group`` (tensors of one storage and dtype), or None where they overlap
-    or spread too thin."""
-    spans = [_span(t) for t in group]
+    """Tensors over one new buffer laid out as ``group`` (tensors of one storage and dtype), or None where they
+    overlap or spread too thin. Each has a version counter of its own, as no view of the others: an in-place write
+    to one does not count as a write to the rest (whole_step copies back the batch entries a step writes)."""
+    views = tuple(map(layout, group))
+    spans = [_span(view) for view in views]
     first, end = min(s[0] for s in spans), max(s[1] for s in spans)
-    if end - first > MAX_SPREAD * sum(t.numel() for t in group) + SMALL or not disjoint(group):
+    if end - first > MAX_SPREAD * sum(t.numel() for t in group) + SMALL or not disjoint(views):
         return None
     size = group[0].element_size()
-    buffer = torch.empty(end - first + ALIGNMENT // size, dtype=group[0].dtype, device=group[0].device)
+    storage = torch.empty(end - first + ALIGNMENT // size, dtype=group[0].dtype,
+                          device=group[0].device).untyped_storage()
     wanted = group[0].untyped_storage().data_ptr() + first * size
-    shift = (wanted - buffer.data_ptr()) % ALIGNMENT // size if (wanted - buffer.data_ptr()) % size == 0 else 0
-    return [buffer.as_strided(t.shape, t.stride(), shift + t.storage_offset() - first) for t in group]
+    shift = (wanted - storage.data_ptr()) % ALIGNMENT // size if (wanted - storage.data_ptr()) % size == 0 else 0
+    return [torch.empty(0, dtype=t.dtype, device=t.device).set_(storage, shift + offset - first, shape, stride)
+            for t, (shape, stride, offset) in zip(group, views)]
 
 
 def _layout_buffers(tensors: List[torch.Tensor]) -> Dict[int, torch.Tensor]:
