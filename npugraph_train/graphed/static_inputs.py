@@ -3,9 +3,10 @@
 A replay computes on these copies, so they must give the kernels what the caller's tensors give them: the same
 strides and the same address alignment. A CPU matmul on a column view ``b[:, :4]`` (row stride 5) and on a
 contiguous copy of it differ in the last bits, as does one on a copy one float off its alignment. ``clone()``
-keeps neither for a view that is not dense, so each copy here is a view of a new buffer at the caller's
-offset and strides; views of one tensor that do not overlap (``b[:, :4], b[:, 4:]``, ``qkv.chunk(3, -1)``) share
-one buffer, as they share one tensor, so that the copies take no more memory than the batch.
+keeps neither for a view that is not dense, so each copy here is a tensor over a new buffer at the caller's
+offset (modulo the alignment) and strides; views of one tensor that do not overlap (``b[:, :4], b[:, 4:]``,
+``qkv.chunk(3, -1)``) share one buffer, as they share one tensor, so that the copies take no more memory than the
+batch.
 """
 from __future__ import annotations
 
@@ -130,7 +131,8 @@ def static_copies(flat: Sequence[Any]) -> List[Any]:
             if id(t) in copies:
                 copies[id(t)].copy_(t)
             else:
-                copies[id(t)] = t.clone()  # dense (an expanded tensor's copy is), sparse and nested as they are
+                # dense (an expanded tensor's copy is); subclasses, quantized, sparse and nested in their kind
+                copies[id(t)] = t.clone()
     for t in tensors:
         copies[id(t)].requires_grad_(t.requires_grad and grad_enabled)
     return [copies[id(t)] if isinstance(t, torch.Tensor) else t for t in flat]
