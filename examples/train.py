@@ -43,6 +43,8 @@ ACCELERATORS = {"npu": "npu", "cuda": "gpu", "emulate": "cpu"}
 
 # The data are in-memory tensors: worker processes would only add start-up time.
 warnings.filterwarnings("ignore", message=r".*does not have many workers.*")
+# Lightning 2.6's own use of a torch pytree API that torch 2.13 deprecates; nothing the user can change.
+warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated", category=FutureWarning)
 
 
 # model ---------------------------------------------------------------------------------------------
