@@ -56,13 +56,14 @@ from .step_setup import callbacks_inside_step, check_schedulers
 # The LightningModule method that maps a batch to the cpu_update_input of its graphs (auto_dispatch_capture).
 UPDATE_HOOK = "npugraph_update_input"
 
-def _shared_batch_written(batch: Any, written: List[int]) -> Optional[GraphCaptureError]:
+
+def _shared_batch_written(batch: Any, leaves: List[Any], written: List[int]) -> Optional[GraphCaptureError]:
     """The refusal of a step that writes a batch tensor in place which another batch entry overlaps (views of one
     tensor: ``inp, tgt = seq[:, :-1], seq[:, 1:]``), if it does: the graph's copies of the batch are separate
-    tensors, which would not see each other's writes. Disjoint views (``b[:, :4], b[:, 4:]``) are fine."""
+    tensors, which would not see each other's writes. Disjoint views (``b[:, :4], b[:, 4:]``) are fine. (``leaves``:
+    the batch flattened; ``written``: the indices of the leaves the step writes.)"""
     if not written:
         return None
-    leaves = tree_flatten(batch)[0]
     for i in written:
         shared = next((j for j, other in enumerate(leaves) if other is not leaves[i]
                        and isinstance(other, torch.Tensor) and _overlap(leaves[i], other)), None)
@@ -252,7 +253,7 @@ class WholeStepGrapher:
         self.written_leaves = [i for i, (leaf, version) in enumerate(zip(self.static_leaves, versions))
                                if isinstance(leaf, torch.Tensor) and leaf._version != version]
         failure = (failure or carried_failure or self._batch_reshaped(layouts)
-                   or _shared_batch_written(kwargs["batch"], self.written_leaves)
+                   or _shared_batch_written(kwargs["batch"], leaves, self.written_leaves)
                    or host_random_error(host_state.random_draws()) or state_failure)
         self._warn_if_batch_changed(static_kwargs["batch"], spec)
         # Optimizer state made inside the graph would start over on every replay (parameters trained for the
@@ -516,7 +517,7 @@ class _WholeStepOptimization(_AutomaticOptimization):
                                        f"batch differs from the captured one: {VALUES_DIFFER}")
             return self.eager_step(optimizer, batch_idx, kwargs, f"batch {describe(key)} differs from the captured "
                                    "one", kind="shape")
-        shared = _shared_batch_written(kwargs["batch"], grapher.written_leaves)
+        shared = _shared_batch_written(kwargs["batch"], leaves, grapher.written_leaves)
         if shared is not None:  # views of one tensor from this batch on (another collate in a later epoch)
             return self.eager_step(optimizer, batch_idx, kwargs, f"{shared}; this step runs eager", kind="shared")
         result = grapher.replay_step(self, leaves, kwargs["batch"])

@@ -32,7 +32,7 @@ def layout(t: torch.Tensor) -> Layout:
     return tuple(t.shape), t.stride(), t.storage_offset()
 
 
-def non_overlapping(shape: Sequence[int], stride: Sequence[int]) -> bool:
+def _non_overlapping(shape: Sequence[int], stride: Sequence[int]) -> bool:
     """Whether no two elements of a strided layout share an address (an expanded tensor's do). Some rare layouts
     that do not overlap (shape (3, 2), strides (2, 3)) count as overlapping: they get dense copies."""
     extent = 0  # the largest offset reached by the dims taken so far, by increasing stride
@@ -43,11 +43,11 @@ def non_overlapping(shape: Sequence[int], stride: Sequence[int]) -> bool:
     return True
 
 
-def keeps_layout(t: torch.Tensor) -> bool:
+def _keeps_layout(t: torch.Tensor) -> bool:
     """Whether :func:`static_copies` copies ``t`` in its own strides (else as ``clone()`` does: dense, and for a
     tensor subclass or a quantized tensor in its own type)."""
     if type(t) not in (torch.Tensor, torch.nn.Parameter) or t.layout != torch.strided or t.is_quantized or (
-            t.numel() == 0 or not non_overlapping(t.shape, t.stride())):
+            t.numel() == 0 or not _non_overlapping(t.shape, t.stride())):
         return False
     first, end = _span(layout(t))
     return end - first <= MAX_SPREAD * t.numel() + SMALL
@@ -95,16 +95,17 @@ def _buffer_views(group: List[torch.Tensor]) -> Optional[List[torch.Tensor]]:
 
 
 def _layout_buffers(tensors: List[torch.Tensor]) -> Dict[int, torch.Tensor]:
-    """Uninitialised copies, by id, of those ``tensors`` that :func:`keeps_layout`."""
+    """Uninitialised copies, by id, of those ``tensors`` that :func:`_keeps_layout`."""
     groups: Dict[Any, List[torch.Tensor]] = defaultdict(list)
     for t in tensors:
-        if keeps_layout(t):
+        if _keeps_layout(t):
             groups[(t.untyped_storage().data_ptr(), t.dtype, t.device)].append(t)
     copies: Dict[int, torch.Tensor] = {}
     for group in groups.values():
         views = _buffer_views(group) if len(group) > 1 else None
-        for t, view in zip(group, views or [_buffer_views([t])[0] for t in group]):
-            copies[id(t)] = view
+        if views is None:  # one tensor, or views that overlap or spread too thin together: a buffer each
+            views = [_buffer_views([t])[0] for t in group]
+        copies.update(zip(map(id, group), views))
     return copies
 
 
