@@ -11,7 +11,8 @@
 #   3. step-time table, all columns incl. torch.compile, JSON per model     TABLE_S=240
 #   4. scaling sweep: batch size, number of graphed modules                  SWEEP_S=120
 #   5. host work per step with replays stubbed out (mlp, tf; mlp per block)  HOST_S=60
-#   6. the whole CPU suite under this machine's torch (needs omegaconf)      SUITE_S=0
+#   6. eager, whole_step and the hand-written whole step with fused AdamW    FUSED_S=60
+#   7. the whole CPU suite under this machine's torch (needs omegaconf)      SUITE_S=0
 #
 # Nothing is installed into the machine's environment: npugraph_train is imported from this source tree.
 # omegaconf/hydra are only needed for stage 6 (and the main job). Where the image lacks them, build pure
@@ -62,5 +63,7 @@ stage sweep "${SWEEP_S:-120}" "$py" benchmarks/step_time.py --sweep --json "$out
 stage host_work "${HOST_S:-60}" bash -c "$py benchmarks/step_time.py --host-work --models mlp,tf --repeats 2 \
   --json $out/host_work.json && $py benchmarks/step_time.py --host-work --models mlp --granularity blocks \
   --json $out/host_work_blocks.json"
+stage fused "${FUSED_S:-60}" "$py" benchmarks/step_time.py --optimizer fused --models mlp,tf \
+  --columns eager,eager_capturable,whole_step,whole_graph --json "$out/table_fused.json"
 stage suite "${SUITE_S:-0}" "$py" -m pytest -q -p no:cacheprovider
 exit $status

@@ -1,16 +1,17 @@
-"""Lightning columns: one ``Trainer.fit`` per column, timed by a Callback at window boundaries.
+"""Lightning columns: one ``Trainer.fit`` per column, timed by a Callback at window boundaries. The
+optimizer is AdamW in the run's implementation (``--optimizer``: foreach, or fused).
 
-- ``eager``: no callback, ``AdamW(foreach=True)`` with a float lr (what a user has before adding graphs).
-- ``eager_capturable``: the same with ``make_capturable(AdamW(foreach=True))``: the numerics reference
+- ``eager``: no callback, ``AdamW`` with a float lr (what a user has before adding graphs).
+- ``eager_capturable``: the same with ``make_capturable(AdamW)``: the numerics reference
   of ``whole_step`` (same optimizer arithmetic), and what the capturable optimizer costs when eager.
 - ``submodules``: ``NPUGraphCallback(mode="submodules")`` on the model (``--granularity model``, selected
   with ``modules=["net"]``) or on its blocks (``--granularity blocks``: the ``@graph_safe`` MLP blocks, or
-  ``modules=["net.0.layers.*"]`` for the transformer); optimizer eager, plain AdamW foreach.
-- ``whole_step``: ``NPUGraphCallback(mode="whole_step")`` with ``make_capturable(AdamW(foreach=True))``.
+  ``modules=["net.0.layers.*"]`` for the transformer); optimizer eager, plain AdamW.
+- ``whole_step``: ``NPUGraphCallback(mode="whole_step")`` with ``make_capturable(AdamW)``.
 - ``lit_mgc``: the same modules graphed by hand in the LightningModule with the device's own
   ``make_graphed_callables``: what ``submodules`` is compared with in the same loop.
 - ``compile``: ``torch.compile(net, mode="reduce-overhead")`` inside the LightningModule, CUDA only;
-  optimizer eager, plain AdamW foreach.
+  optimizer eager, plain AdamW.
 
 Every graphed column captures at step ``plan.graph_warmup`` (the callback's ``warmup_steps``), except
 ``compile``, whose CUDA graph is recorded on the second call (step 1) after compiling on the first.
@@ -31,14 +32,14 @@ from npugraph_train import NPUGraphCallback
 from npugraph_train.optim import make_capturable
 
 from .measure import Device, RunResult, StepPlan, WindowClock, memory_of_report, replay_floor_us, snapshot
-from .models import Batch, CyclingBatches, ModelSpec, build_model
-from .plain_runners import LR, HandGrapher, NotApplicable, graph_targets, hand_mgc_label
+from .models import Batch, CyclingBatches, ModelSpec, adamw, build_model
+from .plain_runners import HandGrapher, NotApplicable, graph_targets, hand_mgc_label
 
 COMPILE_CAPTURE_STEP = 1
 
 LABELS = {
-    "eager": "Lightning eager (AdamW foreach)",
-    "eager_capturable": "Lightning eager, make_capturable(AdamW foreach)",
+    "eager": "Lightning eager",
+    "eager_capturable": "Lightning eager, make_capturable(AdamW)",
     "submodules": "npugraph_train submodules",
     "whole_step": "npugraph_train whole_step (make_capturable AdamW)",
     "lit_mgc": "Lightning + hand-written make_graphed_callables",
@@ -70,6 +71,7 @@ class BenchModule(pl.LightningModule):
                  hand: Optional[Callable[["BenchModule"], HandGrapher]] = None) -> None:
         super().__init__()
         self.net = build_model(spec)
+        self.spec = spec
         self.capturable_optimizer = capturable_optimizer
         self.compile_net = compile_net
         self.hand = hand(self) if hand is not None else None
@@ -101,7 +103,7 @@ class BenchModule(pl.LightningModule):
         self._step += 1
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
-        optimizer = torch.optim.AdamW(self.parameters(), lr=LR, foreach=True)
+        optimizer = adamw(self.parameters(), self.spec)
         return make_capturable(optimizer) if self.capturable_optimizer else optimizer
 
 

@@ -7,12 +7,14 @@
 - ``mlp_big``: the mlp at width 2048 and batch 8192: GEMM-bound, where graphs should neither help nor hurt.
 
 ``QUICK`` holds small versions for the CPU (emulate backend), where a run must finish in minutes.
+Every column trains with AdamW at lr 1e-3, in torch's foreach implementation or, with ``--optimizer fused``,
+its fused kernel (:func:`adamw`).
 """
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Dict, List, Tuple
+from typing import Dict, Iterable, List, Optional, Tuple
 
 import torch
 import torch.nn as nn
@@ -20,11 +22,13 @@ import torch.nn as nn
 import npugraph_train
 
 Batch = Tuple[torch.Tensor, torch.Tensor]
+LR = 1e-3
 
 
 @dataclass(frozen=True)
 class ModelSpec:
-    """Shape of one benchmark model. ``width``/``depth`` are d_model/layers for ``tf``."""
+    """Shape of one benchmark model, and its optimizer's implementation (``"foreach"`` or ``"fused"``).
+    ``width``/``depth`` are d_model/layers for ``tf``."""
 
     name: str
     kind: str            # "mlp" or "tf"
@@ -34,13 +38,14 @@ class ModelSpec:
     seq: int = 0         # tf only
     heads: int = 0       # tf only
     ff: int = 0          # tf only
+    optimizer: str = "foreach"
 
     def describe(self) -> str:
         if self.kind == "mlp":
             return (f"{self.depth} x (Linear {self.width}->{self.width}, LayerNorm, GELU) + Linear {self.width}->1, "
-                    f"batch {self.batch}, MSE")
+                    f"batch {self.batch}, MSE, AdamW {self.optimizer}")
         return (f"TransformerEncoder {self.depth} layers, d_model {self.width}, {self.heads} heads, ff {self.ff}, "
-                f"dropout 0, batch {self.batch} x seq {self.seq}, Flatten + Linear -> 1, MSE")
+                f"dropout 0, batch {self.batch} x seq {self.seq}, Flatten + Linear -> 1, MSE, AdamW {self.optimizer}")
 
     def with_batch(self, batch: int) -> "ModelSpec":
         return dataclasses.replace(self, batch=batch)
@@ -65,6 +70,16 @@ QUICK: Dict[str, ModelSpec] = {
     "mlp_big": ModelSpec("mlp_big", "mlp", batch=2048, width=512, depth=4),
 }
 
+
+
+def adamw(params: Iterable[nn.Parameter], spec: ModelSpec,
+          tensor_lr_on: Optional[torch.device] = None) -> torch.optim.AdamW:
+    """AdamW at ``LR`` in the spec's implementation; with ``tensor_lr_on``, in torch's own capture-safe form
+    (``capturable=True``, the lr a tensor on that device), as a hand-written whole-step graph needs it."""
+    implementation = {"fused": True} if spec.optimizer == "fused" else {"foreach": True}
+    if tensor_lr_on is None:
+        return torch.optim.AdamW(params, lr=LR, **implementation)
+    return torch.optim.AdamW(params, lr=torch.tensor(LR, device=tensor_lr_on), capturable=True, **implementation)
 
 @npugraph_train.graph_safe
 class MLPBlock(nn.Module):

@@ -1,11 +1,12 @@
-"""Plain-PyTorch columns: the training step written by hand, with and without graphs, no Lightning.
+"""Plain-PyTorch columns: the training step written by hand, with and without graphs, no Lightning. The
+optimizer is AdamW in the run's implementation (``--optimizer``: foreach, or fused).
 
-- ``plain_eager``: zero_grad, forward, MSE, backward, AdamW(foreach=True) step.
+- ``plain_eager``: zero_grad, forward, MSE, backward, AdamW step.
 - ``mgc``: the same loop with the model (or its blocks) graphed by hand with the device's own
   ``make_graphed_callables`` (``torch.cuda`` on CUDA, ``torch.npu`` on NPU). On the emulator it is torch's
   own ``torch.cuda.make_graphed_callables`` code with its ``torch.cuda`` graph calls served by the emulator's
   graphs, and the label says so. The optimizer stays eager.
-- ``whole_graph``: forward, backward and ``AdamW(capturable=True, foreach=True, lr=<tensor>)`` captured as
+- ``whole_graph``: forward, backward and ``AdamW(capturable=True, lr=<tensor>)`` captured as
   one graph by hand (``torch.cuda.graph`` / ``torch.npu.graph``; the emulator's ``npugraph_train.graphed.graph``
   with ``make_capturable``, because torch's capturable AdamW refuses CPU tensors), plus its floor: the same
   graph replayed back to back with no host work between.
@@ -27,9 +28,8 @@ import npugraph_train.graphed as ng
 from npugraph_train.optim import make_capturable
 
 from .measure import Device, RunResult, StepPlan, WindowClock, replay_floor_us, snapshot
-from .models import Batch, ModelSpec, build_model
+from .models import Batch, ModelSpec, adamw, build_model
 
-LR = 1e-3
 
 
 class NotApplicable(Exception):
@@ -182,14 +182,14 @@ def prime_device(spec: ModelSpec, batches: List[Batch], device: Device, steps: i
     """A few throwaway eager steps, so that one-time costs (CUDA context, cuBLAS handles, allocator
     growth, first-call kernel selection) are not charged to whichever column happens to run first."""
     net = build_model(spec).to(device.torch_device())
-    step = _eager_step(net, torch.optim.AdamW(net.parameters(), lr=LR, foreach=True))
+    step = _eager_step(net, adamw(net.parameters(), spec))
     for i in range(steps):
         step(*batches[i % len(batches)])
     device.sync()
 
 
 LABELS = {
-    "plain_eager": "plain PyTorch eager (AdamW foreach)",
+    "plain_eager": "plain PyTorch eager",
     "mgc": "plain PyTorch + hand-written make_graphed_callables",
     "whole_graph": "plain PyTorch, whole step in one hand-written graph",
 }
@@ -207,11 +207,11 @@ def run_plain(column: str, spec: ModelSpec, batches: List[Batch], device: Device
     step_at: Callable[[int, torch.Tensor, torch.Tensor], None]
 
     if column == "plain_eager":
-        step = _eager_step(net, torch.optim.AdamW(net.parameters(), lr=LR, foreach=True))
+        step = _eager_step(net, adamw(net.parameters(), spec))
         step_at = lambda i, x, y: step(x, y)  # noqa: E731
     elif column == "mgc":
         result.label = f"plain PyTorch + hand-written {hand_mgc_label(device)} ({granularity})"
-        step = _eager_step(net, torch.optim.AdamW(net.parameters(), lr=LR, foreach=True))
+        step = _eager_step(net, adamw(net.parameters(), spec))
         grapher = HandGrapher(device, root, graph_targets(spec, granularity), capture_step=c)
 
         def step_at(i: int, x: torch.Tensor, y: torch.Tensor) -> None:
@@ -220,7 +220,7 @@ def run_plain(column: str, spec: ModelSpec, batches: List[Batch], device: Device
             grapher.after_step(i)
         result.capture_step = c
     elif column == "whole_graph":
-        step_at, finish = _whole_graph(net, device, result, c)
+        step_at, finish = _whole_graph(net, spec, device, result, c)
     else:
         raise ValueError(f"unknown plain column {column!r}")
 
@@ -240,16 +240,15 @@ def run_plain(column: str, spec: ModelSpec, batches: List[Batch], device: Device
     return result
 
 
-def _whole_graph(net: nn.Module, device: Device, result: RunResult, capture_step: int):
+def _whole_graph(net: nn.Module, spec: ModelSpec, device: Device, result: RunResult, capture_step: int):
     """Step function of the hand-written whole-step graph, and a finisher that measures its floor."""
     new_graph, graph_ctx, api = _native_graph_api(device)
     if device.is_emulator:
-        opt = make_capturable(torch.optim.AdamW(net.parameters(), lr=LR, foreach=True))
-        result.label = f"plain PyTorch, whole step in one {api}, make_capturable(AdamW foreach)"
+        opt = make_capturable(adamw(net.parameters(), spec))
+        result.label = f"plain PyTorch, whole step in one {api}, make_capturable(AdamW)"
     else:
-        opt = torch.optim.AdamW(net.parameters(), lr=torch.tensor(LR, device=device.torch_device()),
-                                capturable=True, foreach=True)
-        result.label = f"plain PyTorch, whole step in one {api}, AdamW(capturable, foreach, tensor lr)"
+        opt = adamw(net.parameters(), spec, tensor_lr_on=device.torch_device())
+        result.label = f"plain PyTorch, whole step in one {api}, AdamW(capturable, tensor lr)"
     step = _eager_step(net, opt)
     backend = device.backend
     side = backend.new_stream()

@@ -14,6 +14,7 @@ that every column works and that graphed numerics match eager; it is not a speed
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import os
@@ -73,6 +74,9 @@ def parse_args(argv: List[str]) -> argparse.Namespace:
                       help="model sizes and step counts: auto = full on a GPU/NPU, quick on the CPU")
     size.add_argument("--quick", dest="size", action="store_const", const="quick", help="same as --size quick")
     size.add_argument("--full", dest="size", action="store_const", const="full", help="same as --size full")
+    p.add_argument("--optimizer", choices=("foreach", "fused"), default="foreach",
+                   help="AdamW implementation of every column: torch's foreach kernels, or its fused kernel "
+                        "(CUDA and the emulator; refused on NPU)")
     p.add_argument("--steps", type=int, help="timed steps per window")
     p.add_argument("--windows", type=int, help="timed windows (the figure is their median)")
     p.add_argument("--warmup", type=int, help="untimed steps before the windows (contain warmup and capture)")
@@ -165,9 +169,10 @@ def metadata(args: argparse.Namespace, device: Device, size: str, plan: StepPlan
         "plan": {"warmup_steps": plan.head, "windows": plan.windows, "steps_per_window": plan.steps,
                  "graph_warmup_steps": plan.graph_warmup},
         "precision": f"fp32 (Lightning 32-true); float32 matmul precision {torch.get_float32_matmul_precision()!r}",
-        "optimizer": "AdamW(lr=1e-3, foreach=True) in eager/submodules/lit_mgc/compile/plain columns; "
-                     "make_capturable(AdamW(foreach=True)) in whole_step and eager_capturable; "
-                     "AdamW(capturable=True, foreach=True, tensor lr) in whole_graph (make_capturable on the emulator)",
+        "optimizer": f"AdamW(lr=1e-3, {args.optimizer}=True) in eager/submodules/lit_mgc/compile/plain columns; "
+                     f"make_capturable(AdamW({args.optimizer}=True)) in whole_step and eager_capturable; "
+                     f"AdamW(capturable=True, {args.optimizer}=True, tensor lr) in whole_graph (make_capturable on "
+                     "the emulator)",
     }
 
 
@@ -197,7 +202,8 @@ def main(argv: List[str]) -> None:
                         steps=steps if args.steps is None else args.steps, graph_warmup=args.graph_warmup)
     except ValueError as exc:
         sys.exit(f"error: {exc}")
-    specs = (QUICK if size == "quick" else FULL)
+    specs = {name: dataclasses.replace(spec, optimizer=args.optimizer)
+             for name, spec in (QUICK if size == "quick" else FULL).items()}
     meta = metadata(args, device, size, plan)
     print(f"device: {meta['device']}; backend {device.name}; torch {meta['torch']}, lightning {meta['lightning']}; "
           f"{meta['date']}")

@@ -1,3 +1,5 @@
+import types
+
 import pytest
 import torch
 import torch.nn as nn
@@ -28,6 +30,8 @@ OPTIMIZERS = {
     "Adam-amsgrad": lambda ps: torch.optim.Adam(ps, lr=0.01, amsgrad=True, foreach=False),
     "SGD-nesterov": lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9, nesterov=True, weight_decay=0.01),
     "RMSprop": lambda ps: torch.optim.RMSprop(ps, lr=0.01, momentum=0.5),
+    "AdamW-fused": lambda ps: torch.optim.AdamW(ps, lr=0.01, weight_decay=0.1, fused=True),
+    "Adam-fused-amsgrad": lambda ps: torch.optim.Adam(ps, lr=0.01, amsgrad=True, fused=True),
     **{cls.__name__: (lambda cls: lambda ps: cls(ps, lr=0.01))(cls) for cls in (
         torch.optim.Adamax, torch.optim.NAdam, torch.optim.RAdam, torch.optim.Rprop, torch.optim.ASGD,
         torch.optim.Adadelta)},
@@ -148,11 +152,42 @@ def test_unknown_and_fused_optimizers_are_refused():
         make_capturable(torch.optim.LBFGS(_model().parameters()))
     with pytest.raises(TypeError, match="make_capturable takes a torch.optim.Optimizer .* got Linear"):
         make_capturable(nn.Linear(2, 2))
-    fused = torch.optim.AdamW(_model().parameters(), lr=torch.tensor(0.01), fused=True, capturable=True)
-    with pytest.raises(MisconfigurationException, match="fused=True.*foreach=True"):
-        make_capturable(fused)
-    with pytest.raises(MisconfigurationException, match="fused=True.*foreach=True"):
-        check_capture_safe(fused, tensor_lr_needed=True)  # convert_optimizers=False
+    sgd = torch.optim.SGD(_model().parameters(), lr=torch.tensor(0.01), fused=True)
+    for refuse in (make_capturable, lambda o: check_capture_safe(o, tensor_lr_needed=True)):
+        with pytest.raises(MisconfigurationException, match=r"SGD\(fused=True\) cannot be captured here: .*fused "
+                                                            r"kernels of Adam and AdamW only\. .*foreach=True"):
+            refuse(sgd)
+    with pytest.raises(MisconfigurationException, match="Adagrad is not known to be capture-safe"):
+        make_capturable(torch.optim.Adagrad(_model().parameters(), fused=True))
+
+
+def test_fused_adamw_is_refused_on_npu_also_once_converted():
+    opt = make_capturable(torch.optim.AdamW(_model().parameters(), lr=0.01, fused=True))
+    # Parameters moved to an NPU after a first conversion (the double's tensors live on the CPU).
+    opt.param_groups[0]["params"] = [types.SimpleNamespace(device=types.SimpleNamespace(type="npu"))]
+    with pytest.raises(MisconfigurationException, match=r"AdamW\(fused=True\) cannot be captured here: torch_npu "
+                                                        r"has no _fused_adamw_ with a tensor lr.*foreach=True"):
+        make_capturable(opt)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_fused_adamw_keeps_its_kernel_with_float32_lr_and_steps(dtype):
+    # torch's fused kernels read the lr and step count on the device, in float32 (CUDA's reads a float*).
+    model = _model().to(dtype)
+    opt = make_capturable(torch.optim.AdamW(model.parameters(), lr=0.01, fused=True))
+    _set_grads(model, [g.to(dtype) for g in _grads(1)[0]])
+    opt.step()
+    group = opt.param_groups[0]
+    assert group["fused"] and group["capturable"] and not group["foreach"]
+    assert group["lr"].dtype == torch.float32
+    assert all(s["step"].dtype == torch.float32 for s in opt.state.values())
+    check_capture_safe(opt, tensor_lr_needed=True)
+    check_capture_safe(torch.optim.AdamW(model.parameters(), lr=torch.tensor(0.01), fused=True, capturable=True),
+                       tensor_lr_needed=True)  # torch's own fused capturable AdamW: capture-safe as it is
+    with pytest.raises(MisconfigurationException, match="AdamW with capturable=False is refused by torch's "
+                                                        "capture check on CUDA.*Pass capturable=True"):
+        check_capture_safe(torch.optim.AdamW(model.parameters(), lr=torch.tensor(0.01), fused=True),
+                           tensor_lr_needed=True)
 
 
 class MySGD(torch.optim.SGD):

@@ -27,9 +27,10 @@ from .lightning_models import Regressor, loaders, trainer
 class Scheduled(Regressor):
     """Regressor with a capturable optimizer and a scheduler, so eager and graphed runs do the same math."""
 
-    def __init__(self, optimizer="sgd", schedule="step", convert=True, foreach=None, **kwargs):
+    def __init__(self, optimizer="sgd", schedule="step", convert=True, foreach=None, fused=None, **kwargs):
         super().__init__(**kwargs)
         self.optimizer_kind, self.schedule, self.convert, self.foreach = optimizer, schedule, convert, foreach
+        self.fused = fused
 
     def training_step(self, batch, batch_idx):
         loss = super().training_step(batch, batch_idx)
@@ -40,7 +41,8 @@ class Scheduled(Regressor):
         if self.optimizer_kind == "sgd":
             opt = torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9, nesterov=True, weight_decay=1e-3)
         else:
-            opt = torch.optim.AdamW(self.parameters(), lr=0.01, weight_decay=0.01, foreach=self.foreach)
+            opt = torch.optim.AdamW(self.parameters(), lr=0.01, weight_decay=0.01, foreach=self.foreach,
+                                    fused=self.fused)
         if self.convert:
             make_capturable(opt)
         if self.schedule == "step":
@@ -90,7 +92,8 @@ def _same_trace(a, b):
 @pytest.mark.parametrize("model_kwargs", [
     {"optimizer": "sgd", "schedule": "step"},
     {"optimizer": "adamw", "schedule": "cosine", "dropout": 0.1},
-])
+    {"optimizer": "adamw", "schedule": "step", "fused": True},
+], ids=["sgd", "adamw", "adamw-fused"])
 def test_parity_with_plain_lightning(model_kwargs):
     # 36 steps over 4 epochs of 9 batches (the last one short), clipping, validation every 5 steps
     eager, eager_trace, _ = _run(model_kwargs, None, gradient_clip_val=0.5)
@@ -475,9 +478,10 @@ def test_max_signatures_in_whole_step_mode_warns():
         _run({}, {"max_signatures": 2}, max_steps=4)
 
 
-@pytest.mark.parametrize("convert", [False, True], ids=["callback-converts", "scheduler-over-converted"])
-def test_checkpoint_is_the_plain_optimizers_and_resumes_without_the_callback(tmp_path, convert):
-    kwargs = {"optimizer": "adamw", "schedule": "cosine"}
+@pytest.mark.parametrize("convert,fused", [(False, None), (True, None), (False, True)],
+                         ids=["callback-converts", "scheduler-over-converted", "fused"])
+def test_checkpoint_is_the_plain_optimizers_and_resumes_without_the_callback(tmp_path, convert, fused):
+    kwargs = {"optimizer": "adamw", "schedule": "cosine", "fused": fused}
     _, _, t = _run({**kwargs, "convert": convert}, {}, max_steps=12, val_check_interval=None, limit_val_batches=0)
     optimizer = t.optimizers[0]
     assert type(optimizer).__name__ == "AdamW"  # LearningRateMonitor's "lr-AdamW" stays as it was
@@ -487,6 +491,7 @@ def test_checkpoint_is_the_plain_optimizers_and_resumes_without_the_callback(tmp
     group = checkpoint["optimizer_states"][0]["param_groups"][0]
     assert group["initial_lr"] == 0.01, "the learning rate as written, not its float32 (0.009999999776...)"
     assert isinstance(group["lr"], float) and group["capturable"] is False and group["foreach"] is None
+    assert group["fused"] is fused
     scheduler = checkpoint["lr_schedulers"][0]
     assert [type(lr) for lr in scheduler["base_lrs"] + scheduler["_last_lr"]] == [float, float]
     assert scheduler["base_lrs"] == [0.01] and scheduler["_last_lr"] == [group["lr"]]
@@ -495,7 +500,7 @@ def test_checkpoint_is_the_plain_optimizers_and_resumes_without_the_callback(tmp
     # with foreach=True as on a GPU, where torch refuses a tensor lr that a scheduler's state could restore.
     torch.manual_seed(0)
     resumed = trainer([], max_steps=24, val_check_interval=None, limit_val_batches=0)
-    resumed.fit(Scheduled(**kwargs, convert=False, foreach=True), loaders()[0], ckpt_path=path)
+    resumed.fit(Scheduled(**kwargs, convert=False, foreach=None if fused else True), loaders()[0], ckpt_path=path)
     assert resumed.global_step == 24 and isinstance(resumed.optimizers[0].param_groups[0]["lr"], float)
 
 

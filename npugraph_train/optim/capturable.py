@@ -8,18 +8,22 @@ trains wrong, so the check here runs on every backend::
     optimizer = make_capturable(torch.optim.AdamW(model.parameters(), lr=1e-3))
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, 10)   # updates the lr tensor in place
 
-Supported: SGD, Adam, AdamW, Adamax, NAdam, RAdam, RMSprop, Rprop, ASGD, Adadelta (foreach), and their subclasses
-(an SGD subclass that overrides ``step`` is refused: subclass :class:`CapturableSGD`). Refused, with
-the alternative: Adagrad, LBFGS, SparseAdam and other classes, ``fused=True``, torch_npu's ``NpuFused*``.
+Supported: SGD, Adam, AdamW, Adamax, NAdam, RAdam, RMSprop, Rprop, ASGD, Adadelta (foreach), Adam and AdamW
+also with ``fused=True`` on CUDA and the emulator, and their subclasses (an SGD subclass that overrides ``step``
+is refused: subclass :class:`CapturableSGD`). Refused, with the alternative: Adagrad, LBFGS, SparseAdam and
+other classes, ``fused=True`` of other classes and on NPU, torch_npu's ``NpuFused*``.
 What it does, keeping the optimizer object and its state:
 
 - classes with a ``capturable`` option (Adam, AdamW, Adamax, NAdam, RAdam, RMSprop, Rprop, ASGD,
   Adadelta): ``capturable=True`` and ``foreach=True`` (torch's single-tensor RMSprop and Adadelta read a
   tensor learning rate on the host even when capturable), step counts moved to the parameters' device;
+  Adam and AdamW made with ``fused=True`` keep their fused kernel (``capturable=True``), which reads the
+  learning rate and step count on the device;
 - SGD, which has none: a step that multiplies by a device learning rate instead of reading it on the
   host (same update, possibly different in the last bit from ``alpha=-lr``);
 - every learning rate becomes a 0-dim tensor on the parameters' device (float32; float64 for float64
-  parameters), which schedulers ``fill_``; step counts are kept in the same dtype;
+  parameters, except in fused groups, whose kernels read float32), which schedulers ``fill_``; step counts
+  are kept in the same dtype;
 - pickling (``torch.save`` of the optimizer object) gives a converted optimizer back;
 - on the CPU emulator, torch's device check for capturable optimizers accepts CPU tensors.
 
@@ -40,6 +44,9 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch.optim import (ASGD, SGD, Adadelta, Adam, Adamax, AdamW, NAdam, Optimizer, RAdam, RMSprop, Rprop)
 
 _CAPTURABLE_FLAG = (Adam, AdamW, Adamax, NAdam, RAdam, RMSprop, Rprop, ASGD, Adadelta)
+# Classes whose fused step reads the lr and step count from device tensors (the tensor-lr overloads of
+# _fused_adam_/_fused_adamw_), on CUDA and the CPU; AdamW is an Adam.
+_FUSED = (Adam,)
 # Modules whose functional step checks _get_capturable_supported_devices and makes its scalar state (step
 # counts) with _get_scalar_dtype.
 _STEP_MODULES = ("adam", "adamax", "nadam", "radam", "rmsprop", "rprop", "asgd", "adadelta")
@@ -76,7 +83,8 @@ def _step_environment(accept_cpu: bool, scalar_dtype: torch.dtype) -> Iterator[N
 
     for module, (devices, _) in zip(modules, originals):
         module._get_capturable_supported_devices = with_cpu(devices)
-        module._get_scalar_dtype = lambda *args, **kwargs: scalar_dtype
+        # Fused kernels read float32 counts whatever the parameters' dtype, as torch makes them.
+        module._get_scalar_dtype = lambda is_fused=None: torch.float32 if is_fused else scalar_dtype
     try:
         yield
     finally:
@@ -280,18 +288,19 @@ def check_capture_safe(optimizer: Any, tensor_lr_needed: bool) -> None:
     _refuse_unsupported(opt)
     # torch's capturable Adam-family steps refuse CPU tensors (the emulator's): there only conversion works.
     on_cpu = any(p.device.type == "cpu" for p in _params(opt))
+    fused = _fused(opt)
     if isinstance(opt, _CAPTURABLE_FLAG) and not all(g.get("capturable") for g in opt.param_groups):
         fix = (f"Convert it with {_CONVERT} (torch's own capturable=True refuses the emulator's CPU tensors)"
-               if on_cpu else f"Pass capturable=True, or convert it with {_CONVERT}")
-        raise MisconfigurationException(
-            f"{name} with capturable=False keeps its step count on the host; a captured step() trains wrong "
-            f"(silently, on NPU). {fix}")
+               if on_cpu and not fused else f"Pass capturable=True, or convert it with {_CONVERT}")
+        why = ("is refused by torch's capture check on CUDA" if fused else
+               "keeps its step count on the host; a captured step() trains wrong (silently, on NPU)")
+        raise MisconfigurationException(f"{name} with capturable=False {why}. {fix}")
     float_lr = any(not isinstance(g["lr"], torch.Tensor) for g in opt.param_groups)
     if tensor_lr_needed and (float_lr or isinstance(opt, SGD)):
         raise MisconfigurationException(
             f"{name} has a learning rate scheduler but {'a Python-float lr' if float_lr else 'an lr read on the host'}"
             f", which a captured step() would freeze at its capture-time value. Convert it with {_CONVERT}")
-    if on_cpu and isinstance(opt, _CAPTURABLE_FLAG):
+    if on_cpu and isinstance(opt, _CAPTURABLE_FLAG) and not fused:
         raise MisconfigurationException(
             f"{name}(capturable=True) refuses CPU tensors in torch; on the emulator convert it with {_CONVERT}")
 
@@ -308,11 +317,6 @@ def _refuse_unsupported(opt: Optimizer) -> None:
             f"{cls.__name__} (torch_npu) keeps its step count and bias corrections on the host and flattens "
             f"parameters on its first step, so it cannot be captured. Use {instead}(..., foreach=True) "
             f"with npugraph_train.optim.make_capturable, {_KEEP_EAGER}")
-    if getattr(opt, "defaults", {}).get("fused"):
-        raise MisconfigurationException(
-            f"{cls.__name__}(fused=True): npugraph_train captures the foreach implementation; construct it with "
-            "foreach=True (fused kernels differ per device in tensor-lr support: torch_npu has no "
-            "_fused_adamw_ with a tensor lr)")
     if not isinstance(opt, (SGD,) + _CAPTURABLE_FLAG):
         raise MisconfigurationException(
             f"{cls.__name__} is not known to be capture-safe: npugraph_train can make SGD, "
@@ -322,6 +326,21 @@ def _refuse_unsupported(opt: Optimizer) -> None:
             f"{cls.__name__} overrides SGD.step, whose lr the step reads on the host (alpha=-lr), a value a captured "
             "step would freeze; subclass npugraph_train.optim.CapturableSGD instead (it multiplies by a device lr), "
             f"or {_KEEP_EAGER}")
+    _refuse_fused(opt)
+
+
+def _refuse_fused(opt: Optimizer) -> None:
+    # Checked again when a converted optimizer is converted anew: its parameters may have moved to an NPU since.
+    if not _fused(opt):
+        return
+    npu = any(p.device.type == "npu" for p in _params(opt))
+    if npu or not isinstance(opt, _FUSED):
+        why = ("torch_npu has no _fused_adamw_ with a tensor lr, and whether its fused kernels read the step "
+               "count without a host sync is unconfirmed" if npu else
+               "npugraph_train captures the fused kernels of Adam and AdamW only")
+        raise MisconfigurationException(
+            f"{type(opt).__name__}(fused=True) cannot be captured here: {why}. Construct it with foreach=True "
+            f"(npugraph_train captures that implementation on every device), {_KEEP_EAGER}")
 
 
 def _retarget_scheduler_wrapper(opt: Optimizer) -> None:
@@ -340,10 +359,15 @@ def _retarget_scheduler_wrapper(opt: Optimizer) -> None:
     opt.step = step  # type: ignore[method-assign]
 
 
-def _scalar_dtype(params: List[torch.Tensor]) -> torch.dtype:
+def _fused(opt: Optimizer) -> bool:
+    return any(group.get("fused") for group in opt.param_groups)
+
+
+def _scalar_dtype(params: List[torch.Tensor], fused: bool = False) -> torch.dtype:
     # float32 holds the lr and step count of float32, bf16 and fp16 parameters as their own update arithmetic
-    # does; float64 parameters (precision="64-true") update in float64, so those must not be rounded to float32.
-    return torch.float64 if params and all(p.dtype == torch.float64 for p in params) else torch.float32
+    # does; float64 parameters (precision="64-true") update in float64, so those must not be rounded to float32,
+    # except by fused kernels, which read float32 (torch makes their step counts float32 too).
+    return torch.float64 if not fused and params and all(p.dtype == torch.float64 for p in params) else torch.float32
 
 
 def make_capturable(optimizer: Any) -> Any:
@@ -363,13 +387,17 @@ def make_capturable(optimizer: Any) -> Any:
         opt.__class__ = _capturable_class(type(opt))
         opt._plain_settings = plain
         _retarget_scheduler_wrapper(opt)
+    else:
+        _refuse_fused(opt)
     for group in opt.param_groups:
         target = group["params"][0].device if group["params"] else torch.device("cpu")
+        fused = bool(group.get("fused"))
         if isinstance(opt, _CAPTURABLE_FLAG):
-            group["capturable"] = True
-            group["foreach"] = True  # the single-tensor paths of some classes still read a tensor lr on the host
+            group["capturable"] = True  # torch's CUDA capture check asks it of fused groups too
+            if not fused:  # the single-tensor paths of some classes still read a tensor lr on the host
+                group["foreach"] = True
         lr = group["lr"]
-        dtype = _scalar_dtype(group["params"])
+        dtype = _scalar_dtype(group["params"], fused)
         group["lr"] = (lr.detach().to(target, dtype) if isinstance(lr, torch.Tensor)
                        else torch.tensor(float(lr), dtype=dtype, device=target)).reshape(())
         for p in group["params"]:
