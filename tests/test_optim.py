@@ -165,9 +165,10 @@ def test_fused_adamw_is_refused_on_npu_also_once_converted():
     opt = make_capturable(torch.optim.AdamW(_model().parameters(), lr=0.01, fused=True))
     # Parameters moved to an NPU after a first conversion (the double's tensors live on the CPU).
     opt.param_groups[0]["params"] = [types.SimpleNamespace(device=types.SimpleNamespace(type="npu"))]
-    with pytest.raises(MisconfigurationException, match=r"AdamW\(fused=True\) cannot be captured here: torch_npu "
-                                                        r"has no _fused_adamw_ with a tensor lr.*foreach=True"):
-        make_capturable(opt)
+    for refuse in (make_capturable, lambda o: check_capture_safe(o, tensor_lr_needed=True)):
+        with pytest.raises(MisconfigurationException, match=r"AdamW\(fused=True\) cannot be captured here: "
+                                                            r"torch_npu has no _fused_adamw_ with a tensor lr.*foreach=True"):
+            refuse(opt)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
@@ -188,6 +189,21 @@ def test_fused_adamw_keeps_its_kernel_with_float32_lr_and_steps(dtype):
                                                         "capture check on CUDA.*Pass capturable=True"):
         check_capture_safe(torch.optim.AdamW(model.parameters(), lr=torch.tensor(0.01), fused=True),
                            tensor_lr_needed=True)
+    if dtype == torch.float64:  # a float64 lr tensor: CUDA's fused kernel refuses it
+        with pytest.raises(MisconfigurationException, match=r"AdamW\(fused=True\) has a torch.float64 lr tensor on "
+                                                            r"cpu: .*float32 tensor on the parameters' device"):
+            check_capture_safe(torch.optim.AdamW(model.parameters(), lr=torch.tensor(0.01, dtype=dtype), fused=True,
+                                                 capturable=True), tensor_lr_needed=True)
+
+
+def test_fused_adamw_with_tensor_betas_is_refused_with_the_fix():
+    # Its kernel takes betas as host values: each step would read the tensors (a sync, refused in a capture).
+    opt = torch.optim.AdamW(_model().parameters(), lr=0.01, betas=(torch.tensor(0.9), torch.tensor(0.99)),
+                            fused=True)
+    with pytest.raises(MisconfigurationException, match=r"AdamW\(fused=True\) with tensor betas: .*Pass betas as "
+                                                        r"floats"):
+        make_capturable(opt)
+    assert not isinstance(opt, CapturableOptimizer), "refused before anything changed"
 
 
 class MySGD(torch.optim.SGD):

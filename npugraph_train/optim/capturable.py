@@ -11,7 +11,7 @@ trains wrong, so the check here runs on every backend::
 Supported: SGD, Adam, AdamW, Adamax, NAdam, RAdam, RMSprop, Rprop, ASGD, Adadelta (foreach), Adam and AdamW
 also with ``fused=True`` on CUDA and the emulator, and their subclasses (an SGD subclass that overrides ``step``
 is refused: subclass :class:`CapturableSGD`). Refused, with the alternative: Adagrad, LBFGS, SparseAdam and
-other classes, ``fused=True`` of other classes and on NPU, torch_npu's ``NpuFused*``.
+other classes, ``fused=True`` of other classes, on NPU and with tensor betas, torch_npu's ``NpuFused*``.
 What it does, keeping the optimizer object and its state:
 
 - classes with a ``capturable`` option (Adam, AdamW, Adamax, NAdam, RAdam, RMSprop, Rprop, ASGD,
@@ -284,6 +284,7 @@ def check_capture_safe(optimizer: Any, tensor_lr_needed: bool) -> None:
     opt = unwrap(optimizer)
     name = type(opt).__name__
     if isinstance(opt, CapturableOptimizer):
+        _refuse_fused(opt)  # converted before its parameters moved to an NPU
         return
     _refuse_unsupported(opt)
     # torch's capturable Adam-family steps refuse CPU tensors (the emulator's): there only conversion works.
@@ -303,6 +304,14 @@ def check_capture_safe(optimizer: Any, tensor_lr_needed: bool) -> None:
     if on_cpu and isinstance(opt, _CAPTURABLE_FLAG) and not fused:
         raise MisconfigurationException(
             f"{name}(capturable=True) refuses CPU tensors in torch; on the emulator convert it with {_CONVERT}")
+    for group in opt.param_groups if fused else ():
+        lr, params = group["lr"], group["params"]
+        if isinstance(lr, torch.Tensor) and params and (lr.device != params[0].device or lr.dtype != torch.float32):
+            # CUDA's kernel reads a float32 lr on the parameters' device; it reads a CPU lr once, on the host.
+            raise MisconfigurationException(
+                f"{name}(fused=True) has a {lr.dtype} lr tensor on {lr.device}: its fused kernel reads the lr as a "
+                f"float32 tensor on the parameters' device ({params[0].device}), and another one on the host, "
+                f"frozen in a captured step(). Convert it with {_CONVERT}")
 
 
 def _refuse_unsupported(opt: Optimizer) -> None:
@@ -341,6 +350,10 @@ def _refuse_fused(opt: Optimizer) -> None:
         raise MisconfigurationException(
             f"{type(opt).__name__}(fused=True) cannot be captured here: {why}. Construct it with foreach=True "
             f"(npugraph_train captures that implementation on every device), {_KEEP_EAGER}")
+    if any(isinstance(beta, torch.Tensor) for group in opt.param_groups for beta in group.get("betas", ())):
+        raise MisconfigurationException(
+            f"{type(opt).__name__}(fused=True) with tensor betas: its fused kernel takes betas as host values, read "
+            "from the tensors on every step (a device sync, which a capture refuses). Pass betas as floats")
 
 
 def _retarget_scheduler_wrapper(opt: Optimizer) -> None:
