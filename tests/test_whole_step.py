@@ -45,6 +45,8 @@ class Scheduled(Regressor):
                                     fused=self.fused)
         if self.convert:
             make_capturable(opt)
+        if self.schedule is None:
+            return opt
         if self.schedule == "step":
             return {"optimizer": opt, "lr_scheduler": {"scheduler": torch.optim.lr_scheduler.StepLR(opt, 4, 0.7),
                                                        "interval": "step"}}
@@ -1638,6 +1640,26 @@ def test_a_setup_changed_on_every_step_runs_eager_after_three_recaptures():
     assert report["captures"] == 3 and report["status"].startswith("runs eager: the modules' parameters")
     assert report["eager_calls"] == {report["status"][len("runs eager: "):]: 16 - 3 - 3}  # 3 warmup steps
     assert torch.equal(torch.stack(graphed_means[-10:]), torch.stack(eager_means[-10:]))
+
+
+def test_a_float_lr_assigned_every_step_without_conversion_names_the_conversion():
+    class Decay(Callback):  # a timm-style schedule written by hand into the param groups
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            trainer.optimizers[0].param_groups[0]["lr"] = 0.05 / (1 + trainer.global_step)
+
+    def run(callbacks):
+        torch.manual_seed(0)
+        model = Scheduled(convert=False, schedule=None)
+        trainer([Decay()] + callbacks, max_steps=12, val_check_interval=None, limit_val_batches=0).fit(
+            model, loaders()[0])
+        return model
+
+    eager, callback = run([]), NPUGraphCallback(mode="whole_step", convert_optimizers=False)
+    fix = "learning rates that change must be device tensors: remove convert_optimizers=False"
+    with pytest.warns(UserWarning, match=f"param group 0's 'lr' changed after the training step was captured.*{fix}"):
+        with pytest.warns(RuntimeWarning, match=f"on 3 steps in a row, so the step runs eager .*{fix}"):
+            graphed = run([callback])
+    assert _same(eager, graphed) and fix in callback.report()[0]["status"]
 
 
 class KeepsStepValues(Scheduled):
