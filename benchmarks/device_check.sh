@@ -11,11 +11,11 @@
 #   3. step-time table, all columns incl. torch.compile, JSON per model     TABLE_S=240
 #   4. scaling sweep: batch size, number of graphed modules                  SWEEP_S=120
 #   5. host work per step with replays stubbed out (mlp, tf; mlp per block)  HOST_S=60
-#   6. eager, whole_step and the hand-written whole step with fused AdamW    FUSED_S=60
+#   6. eager (plain, capturable), whole_step, hand-written whole step, AdamW fused  FUSED_S=60
 #   7. the whole CPU suite under this machine's torch (needs omegaconf)      SUITE_S=0
 #
 # Nothing is installed into the machine's environment: npugraph_train is imported from this source tree.
-# omegaconf/hydra are only needed for stage 6 (and the main job). Where the image lacks them, build pure
+# omegaconf/hydra are only needed for stage 7 (and the main job). Where the image lacks them, build pure
 # Python wheels on a machine with an index and bring them along in .whl/ (ignored by git):
 #     python3 -m pip wheel --no-deps -w .whl omegaconf==2.3.1 antlr4-python3-runtime==4.9.3 hydra-core==1.3.8
 # (antlr4-python3-runtime 4.9.3 is published as a source archive only, hence `pip wheel`, not `pip download`.)

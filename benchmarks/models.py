@@ -71,7 +71,6 @@ QUICK: Dict[str, ModelSpec] = {
 }
 
 
-
 def adamw(params: Iterable[nn.Parameter], spec: ModelSpec,
           tensor_lr_on: Optional[torch.device] = None) -> torch.optim.AdamW:
     """AdamW at ``LR`` in the spec's implementation; with ``tensor_lr_on``, in torch's own capture-safe form
@@ -80,6 +79,7 @@ def adamw(params: Iterable[nn.Parameter], spec: ModelSpec,
     if tensor_lr_on is None:
         return torch.optim.AdamW(params, lr=LR, **implementation)
     return torch.optim.AdamW(params, lr=torch.tensor(LR, device=tensor_lr_on), capturable=True, **implementation)
+
 
 @npugraph_train.graph_safe
 class MLPBlock(nn.Module):

@@ -8,7 +8,8 @@ optimizer is AdamW in the run's implementation (``--optimizer``: foreach, or fus
   graphs, and the label says so. The optimizer stays eager.
 - ``whole_graph``: forward, backward and ``AdamW(capturable=True, lr=<tensor>)`` captured as
   one graph by hand (``torch.cuda.graph`` / ``torch.npu.graph``; the emulator's ``npugraph_train.graphed.graph``
-  with ``make_capturable``, because torch's capturable AdamW refuses CPU tensors), plus its floor: the same
+  with ``make_capturable``: torch's capturable foreach AdamW refuses CPU tensors, and the fused one is converted
+  alike so that both compute as ``whole_step``), plus its floor: the same
   graph replayed back to back with no host work between.
 
 :class:`HandGrapher` (recording of the real inputs, then one ``make_graphed_callables`` call) is shared with
@@ -29,7 +30,6 @@ from npugraph_train.optim import make_capturable
 
 from .measure import Device, RunResult, StepPlan, WindowClock, replay_floor_us, snapshot
 from .models import Batch, ModelSpec, adamw, build_model
-
 
 
 class NotApplicable(Exception):

@@ -190,6 +190,8 @@ def main(argv: List[str]) -> None:
         device = Device()
     except npugraph_train.BackendUnavailableError as exc:
         sys.exit(f"error: {exc}")
+    if args.optimizer == "fused" and device.name == "npu":  # graphed columns would be refused: save the device time
+        sys.exit("error: --optimizer fused: make_capturable refuses fused AdamW on an NPU; use --optimizer foreach")
     if args.threads or device.is_emulator:
         # One thread on the CPU: with OpenMP threads on every core, any other process on a small, shared
         # machine stalls each parallel region for a scheduler slice, and steps get tens of times slower.

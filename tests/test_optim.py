@@ -167,7 +167,8 @@ def test_fused_adamw_is_refused_on_npu_also_once_converted():
     opt.param_groups[0]["params"] = [types.SimpleNamespace(device=types.SimpleNamespace(type="npu"))]
     for refuse in (make_capturable, lambda o: check_capture_safe(o, tensor_lr_needed=True)):
         with pytest.raises(MisconfigurationException, match=r"AdamW\(fused=True\) cannot be captured here: "
-                                                            r"torch_npu has no _fused_adamw_ with a tensor lr.*foreach=True"):
+                                                            r"torch_npu's fused kernels are not known to be "
+                                                            r"capture-safe.*foreach=True"):
             refuse(opt)
 
 
@@ -191,7 +192,8 @@ def test_fused_adamw_keeps_its_kernel_with_float32_lr_and_steps(dtype):
                            tensor_lr_needed=True)
     if dtype == torch.float64:  # a float64 lr tensor: CUDA's fused kernel refuses it
         with pytest.raises(MisconfigurationException, match=r"AdamW\(fused=True\) has a torch.float64 lr tensor on "
-                                                            r"cpu: .*float32 tensor on the parameters' device"):
+                                                            r"cpu: .*Pass lr=torch.tensor\(lr, dtype=torch.float32, "
+                                                            r"device='cpu'\)"):
             check_capture_safe(torch.optim.AdamW(model.parameters(), lr=torch.tensor(0.01, dtype=dtype), fused=True,
                                                  capturable=True), tensor_lr_needed=True)
 
@@ -204,6 +206,26 @@ def test_fused_adamw_with_tensor_betas_is_refused_with_the_fix():
                                                         r"floats"):
         make_capturable(opt)
     assert not isinstance(opt, CapturableOptimizer), "refused before anything changed"
+    # A group added to a converted optimizer is refused alike, and taken out again.
+    opt = make_capturable(torch.optim.AdamW(_model().parameters(), lr=0.01, fused=True))
+    with pytest.raises(MisconfigurationException, match="with tensor betas"):
+        opt.add_param_group({"params": [nn.Parameter(torch.zeros(2))], "betas": (torch.tensor(0.9), 0.99)})
+    assert len(opt.param_groups) == len(opt._plain_settings) == 1
+    # Tensor betas of a group that is not fused are not the fused kernel's (torch's capturable step reads them).
+    opt.add_param_group({"params": [nn.Parameter(torch.zeros(2))], "betas": (torch.tensor(0.9), 0.99), "fused": False})
+    assert len(opt.param_groups) == 2 and opt.param_groups[1]["foreach"]
+
+
+def test_an_unconverted_optimizer_with_fused_and_foreach_groups_is_checked_per_group():
+    opt = torch.optim.AdamW(_model().parameters(), lr=torch.tensor(0.01), fused=True, capturable=True)
+    check_capture_safe(opt, tensor_lr_needed=True)  # fused on the CPU: capture-safe as it is
+    opt.add_param_group({"params": [nn.Parameter(torch.zeros(2))], "fused": False, "foreach": True,
+                         "capturable": False})
+    with pytest.raises(MisconfigurationException, match="AdamW with capturable=False keeps its step count on the host"):
+        check_capture_safe(opt, tensor_lr_needed=True)
+    opt.param_groups[1]["capturable"] = True
+    with pytest.raises(MisconfigurationException, match=r"AdamW\(capturable=True\) refuses CPU tensors in torch"):
+        check_capture_safe(opt, tensor_lr_needed=True)  # torch's foreach step would refuse the CPU tensors
 
 
 class MySGD(torch.optim.SGD):

@@ -411,21 +411,21 @@ class WholeStepGrapher:
         replayed = self.replays - self.captures[-1]["first_replay"] if self.captures else 0
         self._changed_in_a_row = self._changed_in_a_row + 1 if replayed <= 1 else 1
         # Only an optimizer left unconverted (convert_optimizers=False) holds a learning rate the graph bakes in.
-        float_lr = kind == "setting lr" and ("learning rates that change must be device tensors: remove "
-                                             "convert_optimizers=False, or convert the optimizer with "
-                                             "npugraph_train.optim.make_capturable")
+        lr_fix: Optional[str] = ("Learning rates that change must be device tensors: remove convert_optimizers=False, "
+                                 "or convert the optimizer with npugraph_train.optim.make_capturable"
+                                 if kind == "setting lr" else None)
         if self._changed_in_a_row >= RECAPTURES_BEFORE_EAGER:
             # A capture costs many steps' time: capturing again on every step is slower than eager.
-            fix = float_lr or "keep the setup constant between steps, e.g. register hooks once, before fit, to graph it"
+            fix = lr_fix or "Keep the setup constant between steps (e.g. register hooks once, before fit) to graph it"
             self.unsettled = (f"{reason} on {self._changed_in_a_row} steps in a row, so the step runs eager for the "
-                              f"rest of this fit ({fix})")
+                              f"rest of this fit. {fix}")
             self.status = f"runs eager: {self.unsettled}"
         elif f"setup:{kind}" not in self._warned:
             self._warned.add(f"setup:{kind}")
             rank_zero_warn(f"NPUGraphCallback(mode='whole_step'): {reason} after the training step was captured; "
                            "it is captured again with the new setup, on the next step with the captured batch shape. "
-                           "Each change costs a capture (counted in NPUGraphCallback.report()): " + (
-                               float_lr or "a setting changed every step is better kept constant (learning rates "
+                           "Each change costs a capture (counted in NPUGraphCallback.report()). " + (
+                               lr_fix or "A setting changed every step is better kept constant (learning rates "
                                "may change: they are read from device tensors), or use mode='submodules'"))
         self._drop_graph()
         self.recapture_reason, self.capture_delay = reason, 0

@@ -45,8 +45,8 @@ from torch.optim import (ASGD, SGD, Adadelta, Adam, Adamax, AdamW, NAdam, Optimi
 
 _CAPTURABLE_FLAG = (Adam, AdamW, Adamax, NAdam, RAdam, RMSprop, Rprop, ASGD, Adadelta)
 # Classes whose fused step reads the lr and step count from device tensors (the tensor-lr overloads of
-# _fused_adam_/_fused_adamw_), on CUDA and the CPU; AdamW is an Adam.
-_FUSED = (Adam,)
+# _fused_adam_/_fused_adamw_), on CUDA and the CPU.
+_FUSED = (Adam, AdamW)
 # Modules whose functional step checks _get_capturable_supported_devices and makes its scalar state (step
 # counts) with _get_scalar_dtype.
 _STEP_MODULES = ("adam", "adamax", "nadam", "radam", "rmsprop", "rprop", "asgd", "adadelta")
@@ -112,7 +112,13 @@ class CapturableOptimizer:
     def add_param_group(self, param_group: Dict[str, Any]) -> None:
         super().add_param_group(param_group)  # type: ignore[misc]
         self._plain_settings.append(_plain_settings(self.param_groups[-1]))  # type: ignore[attr-defined]
-        make_capturable(self)
+        try:
+            make_capturable(self)
+        except MisconfigurationException:
+            # Refused before anything was converted (a fused group with tensor betas): leave the optimizer as it was.
+            self.param_groups.pop()  # type: ignore[attr-defined]
+            self._plain_settings.pop()
+            raise
 
     def __reduce_ex__(self, protocol: SupportsIndex) -> Any:
         # The class is made at run time, one per torch class, so pickle cannot find it by name: rebuild it
@@ -289,11 +295,13 @@ def check_capture_safe(optimizer: Any, tensor_lr_needed: bool) -> None:
     _refuse_unsupported(opt)
     # torch's capturable Adam-family steps refuse CPU tensors (the emulator's): there only conversion works.
     on_cpu = any(p.device.type == "cpu" for p in _params(opt))
-    fused = _fused(opt)
-    if isinstance(opt, _CAPTURABLE_FLAG) and not all(g.get("capturable") for g in opt.param_groups):
+    # torch's fused kernels take capturable=True and CPU tensors (fused and other groups can share an optimizer).
+    foreach_on_cpu = on_cpu and any(not g.get("fused") for g in opt.param_groups)
+    plain = [g for g in opt.param_groups if not g.get("capturable")]
+    if isinstance(opt, _CAPTURABLE_FLAG) and plain:
         fix = (f"Convert it with {_CONVERT} (torch's own capturable=True refuses the emulator's CPU tensors)"
-               if on_cpu and not fused else f"Pass capturable=True, or convert it with {_CONVERT}")
-        why = ("is refused by torch's capture check on CUDA" if fused else
+               if foreach_on_cpu else f"Pass capturable=True, or convert it with {_CONVERT}")
+        why = ("is refused by torch's capture check on CUDA" if all(g.get("fused") for g in plain) else
                "keeps its step count on the host; a captured step() trains wrong (silently, on NPU)")
         raise MisconfigurationException(f"{name} with capturable=False {why}. {fix}")
     float_lr = any(not isinstance(g["lr"], torch.Tensor) for g in opt.param_groups)
@@ -301,17 +309,19 @@ def check_capture_safe(optimizer: Any, tensor_lr_needed: bool) -> None:
         raise MisconfigurationException(
             f"{name} has a learning rate scheduler but {'a Python-float lr' if float_lr else 'an lr read on the host'}"
             f", which a captured step() would freeze at its capture-time value. Convert it with {_CONVERT}")
-    if on_cpu and isinstance(opt, _CAPTURABLE_FLAG) and not fused:
+    if foreach_on_cpu and isinstance(opt, _CAPTURABLE_FLAG):
         raise MisconfigurationException(
             f"{name}(capturable=True) refuses CPU tensors in torch; on the emulator convert it with {_CONVERT}")
-    for group in opt.param_groups if fused else ():
+    for group in opt.param_groups:
         lr, params = group["lr"], group["params"]
-        if isinstance(lr, torch.Tensor) and params and (lr.device != params[0].device or lr.dtype != torch.float32):
-            # CUDA's kernel reads a float32 lr on the parameters' device; it reads a CPU lr once, on the host.
+        if group.get("fused") and isinstance(lr, torch.Tensor) and params and (
+                lr.device != params[0].device or lr.dtype != torch.float32):
+            device = params[0].device
             raise MisconfigurationException(
-                f"{name}(fused=True) has a {lr.dtype} lr tensor on {lr.device}: its fused kernel reads the lr as a "
-                f"float32 tensor on the parameters' device ({params[0].device}), and another one on the host, "
-                f"frozen in a captured step(). Convert it with {_CONVERT}")
+                f"{name}(fused=True) has a {lr.dtype} lr tensor on {lr.device}: CUDA's fused kernel reads a float32 "
+                f"lr on the parameters' device ({device}); a float64 one fails there, and one on another device is "
+                "read once on the host, frozen in a captured step(). Pass lr=torch.tensor(lr, dtype=torch.float32, "
+                f"device='{device}'), or convert it with {_CONVERT}")
 
 
 def _refuse_unsupported(opt: Optimizer) -> None:
@@ -340,17 +350,18 @@ def _refuse_unsupported(opt: Optimizer) -> None:
 
 def _refuse_fused(opt: Optimizer) -> None:
     # Checked again when a converted optimizer is converted anew: its parameters may have moved to an NPU since.
-    if not _fused(opt):
+    if not any(group.get("fused") for group in opt.param_groups):
         return
     npu = any(p.device.type == "npu" for p in _params(opt))
     if npu or not isinstance(opt, _FUSED):
-        why = ("torch_npu has no _fused_adamw_ with a tensor lr, and whether its fused kernels read the step "
-               "count without a host sync is unconfirmed" if npu else
+        why = ("torch_npu's fused kernels are not known to be capture-safe (it has no _fused_adamw_ with a tensor "
+               "lr, and whether _fused_adam_ reads the step count without a host sync is unconfirmed)" if npu else
                "npugraph_train captures the fused kernels of Adam and AdamW only")
         raise MisconfigurationException(
             f"{type(opt).__name__}(fused=True) cannot be captured here: {why}. Construct it with foreach=True "
             f"(npugraph_train captures that implementation on every device), {_KEEP_EAGER}")
-    if any(isinstance(beta, torch.Tensor) for group in opt.param_groups for beta in group.get("betas", ())):
+    if any(isinstance(beta, torch.Tensor) for group in opt.param_groups if group.get("fused")
+           for beta in group.get("betas", ())):
         raise MisconfigurationException(
             f"{type(opt).__name__}(fused=True) with tensor betas: its fused kernel takes betas as host values, read "
             "from the tensors on every step (a device sync, which a capture refuses). Pass betas as floats")
@@ -370,10 +381,6 @@ def _retarget_scheduler_wrapper(opt: Optimizer) -> None:
 
     step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
     opt.step = step  # type: ignore[method-assign]
-
-
-def _fused(opt: Optimizer) -> bool:
-    return any(group.get("fused") for group in opt.param_groups)
 
 
 def _scalar_dtype(params: List[torch.Tensor], fused: bool = False) -> torch.dtype:
