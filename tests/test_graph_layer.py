@@ -579,9 +579,25 @@ class TestMisuse:
             with ng.graph(ng.Graph()):
                 g.replay()
 
-    def test_capture_on_default_stream(self):
-        with pytest.raises(ng.GraphCaptureError, match="non-default stream"):
-            ng.Graph().capture_begin()
+    def test_capture_on_default_stream_is_refused_and_leaves_the_graph_empty(self):
+        g, x = ng.Graph(), torch.ones(2)
+        with pytest.raises(ng.GraphCaptureError, match="non-default stream.*with Graph.capture_begin"):
+            g.capture_begin()
+        with pytest.raises(ng.GraphCaptureError, match="leave its stream=None"):
+            with ng.graph(g, stream=ng.current_stream()):
+                pass
+        with ng.stream(ng.new_stream()):  # nothing was captured: a retry needs no reset()
+            g.capture_begin()
+            y = x * 2
+            g.capture_end()
+        x.fill_(3.0)
+        g.replay()
+        assert torch.equal(y, torch.full((2,), 6.0))
+
+    def test_torch_cuda_graphs_positional_capture_error_mode_is_refused(self):
+        # torch.cuda.graph(g, pool, stream, capture_error_mode); torch_npu's and this one's 4th is auto_dispatch_capture
+        with pytest.raises(TypeError, match="auto_dispatch_capture must be True or False, got 'relaxed'.*by keyword"):
+            ng.graph(ng.Graph(), None, None, "relaxed")
 
     def test_refused_capture_changes_nothing(self):
         g = ng.Graph()

@@ -1914,6 +1914,44 @@ class TestModuleState:
         loss_a.backward()
         (first(torch.randn(3, 4)).sum() + second(torch.randn(3, 4)).sum()).backward()
 
+    def test_separate_callables_sharing_a_pool_name_the_tuple_when_run_interleaved(self):
+        # torch's CUDA Graphs notes: graphs sharing a pool replay in capture order; two make_graphed_callables
+        # calls with one pool capture a's forward and backward, then b's: a step runs a, b, b's backward, a's.
+        pool = ng.graph_pool_handle()
+        a = ng.make_graphed_callables(nn.Linear(4, 4), (torch.zeros(3, 4),), pool=pool)
+        b = ng.make_graphed_callables(nn.Linear(4, 1), (torch.zeros(3, 4, requires_grad=True),), pool=pool)
+        with pytest.warns(RuntimeWarning, match="called before the backward of an earlier call in its memory pool .*"
+                                                "in one make_graphed_callables tuple, or give each its own pool"):
+            b(a(torch.randn(3, 4))).sum().backward()
+
+    def test_a_graphed_module_inside_a_whole_network_capture_runs_eager_into_it(self):
+        def run(graphed):
+            torch.manual_seed(0)
+            block, head = nn.Sequential(nn.Linear(4, 8), nn.Tanh()), nn.Linear(8, 1)
+            if graphed:
+                ng.make_graphed_callables(block, (torch.zeros(5, 4),))
+            opt = torch.optim.SGD([*block.parameters(), *head.parameters()], lr=0.1)
+            x = torch.randn(5, 4)
+
+            def step():
+                opt.zero_grad(set_to_none=False)
+                head(block(x)).pow(2).mean().backward()
+                opt.step()
+            step()
+            g = ng.Graph()
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                with ng.graph(g):
+                    step()
+            for i in range(4):
+                x.copy_(torch.randn(5, 4))
+                g.replay()
+            return [*block.parameters(), *head.parameters()], [str(w.message) for w in caught]
+
+        (eager, _), (graphed, warned) = run(False), run(True)
+        assert all(torch.equal(p, q) for p, q in zip(eager, graphed))
+        assert len(warned) == 1 and "called during another graph's capture, which records its ops eager" in warned[0]
+
     def test_pool_order_without_and_with_a_scan(self):
         # The order keeper decides a step's rising calls from its last entry alone; anything else is scanned.
         from npugraph_train.graphed.captured import PoolOrder

@@ -71,11 +71,15 @@ def test_non_capturable_adam_is_caught_on_the_emulator():
     opt = torch.optim.Adam(model.parameters(), lr=0.01)
     _set_grads(model, _grads(1)[0])
     opt.step()
-    with pytest.raises(ng.GraphCaptureError, match="_local_scalar_dense"):
+    with pytest.raises(ng.GraphCaptureError, match=r"_local_scalar_dense.*in Adam.step\(\), not made capture-safe, "
+                                                   r"which reads its step count .*make_capturable\(optimizer\)"):
         with ng.graph(ng.Graph()):
             opt.step()
     with pytest.raises(MisconfigurationException, match="Adam with capturable=False"):
         check_capture_safe(opt, tensor_lr_needed=False)
+    make_capturable(opt)
+    with ng.graph(ng.Graph()):
+        opt.step()  # converted: captures
 
 
 def test_make_capturable_keeps_state_and_object():

@@ -54,6 +54,7 @@ from .backends.base import check_capture_error_mode, check_pool
 from .captured import (CapturedSignature, SignatureStats, batch_ids, capture_signatures, in_checkpoint_forward,
                        may_keep_grad, saved_tensors_hooked)
 from .errors import GraphCaptureError, GraphStateError
+from .graphs import capturing
 from .signatures import (Signature, describe_signature, difference_hint, flatten_call, is_constant, serves, signature,
                          within)
 from .static_inputs import static_copies
@@ -300,8 +301,14 @@ class GraphedCallable:
                     "(use_reentrant=False) recomputing a region that contains it. Checkpoint with "
                     "use_reentrant=True, or checkpoint the graphed module alone (checkpoint(module, x)), or "
                     "checkpoint inside the graphed module")
-            return self._eager("called again before the backward of an earlier call in the same pool",
-                               args, kwargs)
+            return self._eager("called before the backward of an earlier call in its memory pool (of this callable "
+                               "or another sharing the pool): graphs in one pool replay only in capture order, so "
+                               "graph callables that run interleaved in one make_graphed_callables tuple, or give "
+                               "each its own pool", args, kwargs)
+        if capturing():
+            # The other capture records this call's ops as they run: a replay cannot be captured into it.
+            return self._eager("called during another graph's capture, which records its ops eager", args, kwargs,
+                               kind="nested")
         if update is not None:
             sig.update(update)
         sig.stats.replays += 1

@@ -81,6 +81,14 @@ class Graph:
             _active_capture = None
             self._state = _CAPTURED if ok else _FAILED
 
+    def _refused_start(self) -> None:
+        # The device refused to begin (the default stream): nothing was captured, so the graph stays empty and a
+        # retry on a side stream needs no reset(), as with torch's graphs.
+        global _active_capture
+        with _capture_lock:
+            _active_capture = None
+            self._state = _EMPTY
+
     def capture_begin(self, pool: Any = None, capture_error_mode: str = "global") -> None:
         """Begin capturing work on the current stream (which must not be the default stream)."""
         check_capture_error_mode(capture_error_mode, "Graph.capture_begin")
@@ -89,7 +97,7 @@ class Graph:
         try:
             self.native.capture_begin(pool=pool, capture_error_mode=capture_error_mode)
         except BaseException:
-            self._finish_capture(ok=False)
+            self._refused_start()
             raise
 
     def capture_end(self) -> None:
@@ -192,6 +200,11 @@ class graph:
             raise TypeError(f"graph() needs an npugraph_train.graphed.Graph, got {type(npu_graph).__name__}")
         check_capture_error_mode(capture_error_mode, "graph")
         check_pool(pool, "graph")
+        if not isinstance(auto_dispatch_capture, bool):
+            # torch.cuda.graph's 4th positional argument is capture_error_mode; torch_npu's (and this) is not.
+            raise TypeError(f"graph(): auto_dispatch_capture must be True or False, got {auto_dispatch_capture!r} "
+                            "(the 4th positional argument, as in torch.npu.graph; pass capture_error_mode=... by "
+                            "keyword)")
         if auto_dispatch_capture and not npu_graph.backend.supports_update:
             raise NotImplementedError(f"auto_dispatch_capture=True on the {npu_graph.backend.name} backend: it "
                                       f"{NO_UPDATE}")
@@ -207,7 +220,7 @@ class graph:
             self._ctx.__enter__()
             self.npu_graph._auto_dispatch = self._options["auto_dispatch_capture"]
         except BaseException as exc:
-            self.npu_graph._finish_capture(ok=False)
+            self.npu_graph._refused_start()
             error = _as_capture_error(exc)
             if error is exc:
                 raise
@@ -270,6 +283,11 @@ def _refused_capture(exc: BaseException) -> bool:
     return "captur" in message.lower() or re.search(r"error code is 1070(2[4-9]|30)\b", message) is not None
 
 
+def capturing() -> bool:
+    """Whether a :class:`Graph` is being captured (``capture_begin`` or ``graph(...)``, on any thread)."""
+    return _active_capture is not None
+
+
 def graph_pool_handle(backend: Union[str, Backend, None] = None) -> Any:
     """A new memory pool handle for ``Graph.capture_begin(pool=...)`` and ``graph(..., pool=...)``."""
     return get_backend(backend).graph_pool_handle()
@@ -278,6 +296,12 @@ def graph_pool_handle(backend: Union[str, Backend, None] = None) -> Any:
 def is_current_stream_capturing(backend: Union[str, Backend, None] = None) -> bool:
     """True while the current stream is capturing a graph."""
     return get_backend(backend).is_current_stream_capturing()
+
+
+def current_stream(backend: Union[str, Backend, None] = None) -> Any:
+    """The backend's current stream (``torch.npu.current_stream()``, ...): what a side stream waits for before
+    warmup, ``s.wait_stream(ng.current_stream())``, as in torch's CUDA Graphs examples."""
+    return get_backend(backend).current_stream()
 
 
 def new_stream(backend: Union[str, Backend, None] = None) -> Any:

@@ -80,6 +80,13 @@ def library_hint(places: Optional[Iterable[Place]] = None) -> str:
             return (", in lightning's grad_norm, which stacks the per-parameter norms with torch.tensor(list) on the "
                     "host; call it after the step (on_train_batch_end, where .grad holds the step's gradients), or "
                     "log torch.linalg.vector_norm(p.grad) per parameter")
+        elif path.startswith(_OPTIM) and issubclass(cls, torch.optim.Optimizer) and not all(
+                group.get("capturable") for group in frame.f_locals["self"].param_groups):
+            # (A converted optimizer's groups are capturable, or its step is npugraph_train's own: CapturableSGD.)
+            return (f", in {cls.__name__}.step(), not made capture-safe, which reads its step count or learning rate "
+                    "on the host (on NPU, where torch does not check, a captured step() would train silently wrong); "
+                    "convert it with npugraph_train.optim.make_capturable(optimizer) (NPUGraphCallback does in "
+                    "whole_step mode), or keep the optimizer step out of the graph")
         elif path == _CLIP_GRAD and frame.f_locals.get("error_if_nonfinite") is True:
             clip_function = function
     if clip_function is None:
@@ -101,6 +108,7 @@ _DISTRIBUTIONS = os.path.dirname(torch.distributions.__file__) + os.sep
 _DISTRIBUTION = torch.distributions.distribution.__file__
 _MULTIVARIATE_NORMAL = torch.distributions.multivariate_normal.__file__
 _CLIP_GRAD = torch.nn.utils.clip_grad.__file__
+_OPTIM = os.path.dirname(torch.optim.__file__) + os.sep
 _FUNCTIONAL = torch.nn.functional.__file__
 _FAKE_QUANTIZE = os.path.join(os.path.dirname(torch.__file__), "ao", "quantization", "fake_quantize.py")
 _LIGHTNING_GRADS = (os.path.join("lightning", "pytorch", "utilities", "grads.py"),

@@ -533,8 +533,9 @@ class EmulatedGraph:
     def capture_begin(self, pool: Optional[Tuple[int, int]] = None, capture_error_mode: str = "global") -> None:
         if _current_stream() is _DEFAULT_STREAM:
             raise GraphCaptureError(
-                "graphs must be captured on a non-default stream (as on NPU and CUDA); capture inside "
-                "`with npugraph_train.graphed.stream(s):` or use the `graph(...)` context manager")
+                "graphs must be captured on a non-default stream (as on NPU and CUDA): with Graph.capture_begin(), "
+                "capture inside `with npugraph_train.graphed.stream(s):`, s = npugraph_train.graphed.new_stream(); "
+                "with the graph(...) context manager, leave its stream=None (it picks a side stream) or pass such an s")
         self._pool = pool if pool is not None else (0, next(_pool_ids))
         self._ops = []
         self.update_records = []
