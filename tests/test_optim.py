@@ -31,6 +31,7 @@ OPTIMIZERS = {
     "SGD-nesterov": lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9, nesterov=True, weight_decay=0.01),
     "RMSprop": lambda ps: torch.optim.RMSprop(ps, lr=0.01, momentum=0.5),
     "AdamW-fused": lambda ps: torch.optim.AdamW(ps, lr=0.01, weight_decay=0.1, fused=True),
+    "SGD-fused": lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9, nesterov=True, weight_decay=0.01, fused=True),
     "Adam-fused-amsgrad": lambda ps: torch.optim.Adam(ps, lr=0.01, amsgrad=True, fused=True),
     **{cls.__name__: (lambda cls: lambda ps: cls(ps, lr=0.01))(cls) for cls in (
         torch.optim.Adamax, torch.optim.NAdam, torch.optim.RAdam, torch.optim.Rprop, torch.optim.ASGD,
@@ -156,13 +157,45 @@ def test_unknown_and_fused_optimizers_are_refused():
         make_capturable(torch.optim.LBFGS(_model().parameters()))
     with pytest.raises(TypeError, match="make_capturable takes a torch.optim.Optimizer .* got Linear"):
         make_capturable(nn.Linear(2, 2))
-    sgd = torch.optim.SGD(_model().parameters(), lr=torch.tensor(0.01), fused=True)
-    for refuse in (make_capturable, lambda o: check_capture_safe(o, tensor_lr_needed=True)):
-        with pytest.raises(MisconfigurationException, match=r"SGD\(fused=True\) cannot be captured here: .*fused "
-                                                            r"kernels of Adam and AdamW only\. .*foreach=True"):
-            refuse(sgd)
     with pytest.raises(MisconfigurationException, match="Adagrad is not known to be capture-safe"):
         make_capturable(torch.optim.Adagrad(_model().parameters(), fused=True))
+
+
+@pytest.mark.parametrize("make", [
+    lambda ps, lr: torch.optim.SGD(ps, lr=lr, momentum=0.9, nesterov=True, weight_decay=0.01, fused=True),
+    lambda ps, lr: torch.optim.SGD(ps, lr=lr, momentum=0.9, dampening=0.1, maximize=True, fused=True),
+    lambda ps, lr: torch.optim.SGD(ps, lr=lr, fused=True),
+    lambda ps, lr: torch.optim.AdamW(ps, lr=lr, weight_decay=0.1, fused=True),
+], ids=["sgd-nesterov", "sgd-dampening", "sgd-plain", "adamw"])
+def test_a_converted_fused_optimizer_runs_torchs_fused_kernel(make):
+    # The same arithmetic as torch's own fused optimizer with a float32 device lr: bitwise, step after step.
+    models = [_model(), _model()]
+    torch_own, converted = make(models[0].parameters(), torch.tensor(0.05)), make_capturable(
+        make(models[1].parameters(), 0.05))
+    check_capture_safe(torch.optim.SGD(models[0].parameters(), lr=torch.tensor(0.05), fused=True),
+                       tensor_lr_needed=True)  # torch's fused SGD reads a tensor lr on the device
+    for grads in _grads(6):
+        for model, opt in zip(models, (torch_own, converted)):
+            _set_grads(model, grads)
+            opt.step()
+    assert all(torch.equal(a, b) for a, b in zip(*(m.parameters() for m in models)))
+
+
+def test_fused_sgd_gives_a_parameter_first_used_later_its_first_step():
+    # torch's own fused SGD fails when only some parameters have a momentum buffer; the converted one steps them
+    # as torch's foreach SGD does.
+    def run(fused):
+        model = _model()
+        opt = make_capturable(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, fused=fused))
+        for step, grads in enumerate(_grads(4)):
+            _set_grads(model, grads)
+            if step == 0:
+                model[2].bias.grad = None  # unused on the first step
+            opt.step()
+        return model
+
+    for a, b in zip(run(None).parameters(), run(True).parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)  # foreach and fused kernels: last bits
 
 
 def test_fused_adamw_is_refused_on_npu_also_once_converted():
@@ -170,7 +203,7 @@ def test_fused_adamw_is_refused_on_npu_also_once_converted():
     # Parameters moved to an NPU after a first conversion (the double's tensors live on the CPU).
     opt.param_groups[0]["params"] = [types.SimpleNamespace(device=types.SimpleNamespace(type="npu"))]
     for refuse in (make_capturable, lambda o: check_capture_safe(o, tensor_lr_needed=True)):
-        with pytest.raises(MisconfigurationException, match=r"AdamW\(fused=True\) cannot be captured here: "
+        with pytest.raises(MisconfigurationException, match=r"AdamW\(fused=True\) cannot be captured on an NPU: "
                                                             r"torch_npu's fused kernels are not known to be "
                                                             r"capture-safe.*foreach=True"):
             refuse(opt)

@@ -39,7 +39,8 @@ class Scheduled(Regressor):
 
     def configure_optimizers(self):
         if self.optimizer_kind == "sgd":
-            opt = torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9, nesterov=True, weight_decay=1e-3)
+            opt = torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9, nesterov=True, weight_decay=1e-3,
+                                  fused=self.fused)
         else:
             opt = torch.optim.AdamW(self.parameters(), lr=0.01, weight_decay=0.01, foreach=self.foreach,
                                     fused=self.fused)
@@ -95,7 +96,8 @@ def _same_trace(a, b):
     {"optimizer": "sgd", "schedule": "step"},
     {"optimizer": "adamw", "schedule": "cosine", "dropout": 0.1},
     {"optimizer": "adamw", "schedule": "step", "fused": True},
-], ids=["sgd", "adamw", "adamw-fused"])
+    {"optimizer": "sgd", "schedule": "cosine", "fused": True},
+], ids=["sgd", "adamw", "adamw-fused", "sgd-fused"])
 def test_parity_with_plain_lightning(model_kwargs):
     # 36 steps over 4 epochs of 9 batches (the last one short), clipping, validation every 5 steps
     eager, eager_trace, _ = _run(model_kwargs, None, gradient_clip_val=0.5)

@@ -8,10 +8,10 @@ trains wrong, so the check here runs on every backend::
     optimizer = make_capturable(torch.optim.AdamW(model.parameters(), lr=1e-3))
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, 10)   # updates the lr tensor in place
 
-Supported: SGD, Adam, AdamW, Adamax, NAdam, RAdam, RMSprop, Rprop, ASGD, Adadelta (foreach), Adam and AdamW
-also with ``fused=True`` on CUDA and the emulator, and their subclasses (an SGD subclass that overrides ``step``
-is refused: subclass :class:`CapturableSGD`). Refused, with the alternative: Adagrad, LBFGS, SparseAdam and
-other classes, ``fused=True`` of other classes, on NPU and with tensor betas, torch_npu's ``NpuFused*``.
+Supported: SGD, Adam, AdamW, Adamax, NAdam, RAdam, RMSprop, Rprop, ASGD, Adadelta (foreach), SGD, Adam and
+AdamW also with ``fused=True`` on CUDA and the emulator, and their subclasses (an SGD subclass that overrides
+``step`` is refused: subclass :class:`CapturableSGD`). Refused, with the alternative: Adagrad, LBFGS, SparseAdam
+and other classes, ``fused=True`` on NPU and with tensor betas, torch_npu's ``NpuFused*``.
 What it does, keeping the optimizer object and its state:
 
 - classes with a ``capturable`` option (Adam, AdamW, Adamax, NAdam, RAdam, RMSprop, Rprop, ASGD,
@@ -20,7 +20,8 @@ What it does, keeping the optimizer object and its state:
   Adam and AdamW made with ``fused=True`` keep their fused kernel (``capturable=True``), which reads the
   learning rate and step count on the device;
 - SGD, which has none: a step that multiplies by a device learning rate instead of reading it on the
-  host (same update, possibly different in the last bit from ``alpha=-lr``);
+  host (same update, possibly different in the last bit from ``alpha=-lr``); with ``fused=True``, torch's
+  fused kernel, which reads it on the device;
 - every learning rate becomes a 0-dim tensor on the parameters' device (float32; float64 for float64
   parameters, except in fused groups, whose kernels read float32), which schedulers ``fill_``; step counts
   are kept in the same dtype;
@@ -42,11 +43,9 @@ from typing import Any, Dict, Iterator, List, SupportsIndex, Tuple, Type, Union
 import torch
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch.optim import (ASGD, SGD, Adadelta, Adam, Adamax, AdamW, NAdam, Optimizer, RAdam, RMSprop, Rprop)
+from torch.optim.sgd import sgd
 
 _CAPTURABLE_FLAG = (Adam, AdamW, Adamax, NAdam, RAdam, RMSprop, Rprop, ASGD, Adadelta)
-# Classes whose fused step reads the lr and step count from device tensors (the tensor-lr overloads of
-# _fused_adam_/_fused_adamw_), on CUDA and the CPU.
-_FUSED = (Adam, AdamW)
 # Modules whose functional step checks _get_capturable_supported_devices and makes its scalar state (step
 # counts) with _get_scalar_dtype.
 _STEP_MODULES = ("adam", "adamax", "nadam", "radam", "rmsprop", "rprop", "asgd", "adadelta")
@@ -140,7 +139,8 @@ class CapturableOptimizer:
 
 
 class CapturableSGD(SGD):
-    """SGD whose update reads the learning rate on the device (torch's uses ``alpha=-lr``, a host read)."""
+    """SGD whose update reads the learning rate on the device (torch's uses ``alpha=-lr``, a host read); groups
+    made with ``fused=True`` step with torch's fused kernel, which takes the lr as a device tensor."""
 
     @torch.no_grad()
     def step(self, closure: Any = None) -> Any:
@@ -151,6 +151,9 @@ class CapturableSGD(SGD):
         for group in self.param_groups:
             params = [p for p in group["params"] if p.grad is not None]
             if not params:
+                continue
+            if group.get("fused"):
+                self._fused_step(group, params)
                 continue
             grads = [p.grad for p in params]
             if group["maximize"]:
@@ -171,6 +174,22 @@ class CapturableSGD(SGD):
                 grads = torch._foreach_add(grads, bufs, alpha=momentum) if group["nesterov"] else bufs
             torch._foreach_sub_(params, torch._foreach_mul(grads, group["lr"]))
         return loss
+
+    def _fused_step(self, group: Dict[str, Any], params: List[torch.Tensor]) -> None:
+        # torch's fused step makes every momentum buffer on a first step, when none exists, and fails when only
+        # some do (a parameter unused until now): those take their first step apart, as in torch's other steps.
+        momentum = group["momentum"]
+        new = {id(p) for p in params if momentum != 0 and self.state[p].get("momentum_buffer") is None}
+        for batch in ([p for p in params if id(p) in new], [p for p in params if id(p) not in new]):
+            if not batch:
+                continue
+            bufs = [self.state[p].get("momentum_buffer") for p in batch] if momentum != 0 else []
+            sgd(batch, [p.grad for p in batch], bufs, fused=True, lr=group["lr"], weight_decay=group["weight_decay"],
+                momentum=momentum, dampening=group["dampening"], nesterov=group["nesterov"],
+                maximize=group["maximize"], grad_scale=getattr(self, "grad_scale", None),
+                found_inf=getattr(self, "found_inf", None))
+            for p, buf in zip(batch, bufs):
+                self.state[p]["momentum_buffer"] = buf
 
 
 # torch wraps an optimizer class's step() with the step hooks when an instance is made (or unpickled).
@@ -305,7 +324,8 @@ def check_capture_safe(optimizer: Any, tensor_lr_needed: bool) -> None:
                "keeps its step count on the host; a captured step() trains wrong (silently, on NPU)")
         raise MisconfigurationException(f"{name} with capturable=False {why}. {fix}")
     float_lr = any(not isinstance(g["lr"], torch.Tensor) for g in opt.param_groups)
-    if tensor_lr_needed and (float_lr or isinstance(opt, SGD)):
+    host_lr = isinstance(opt, SGD) and not all(g.get("fused") for g in opt.param_groups)  # alpha=-lr
+    if tensor_lr_needed and (float_lr or host_lr):
         raise MisconfigurationException(
             f"{name} has a learning rate scheduler but {'a Python-float lr' if float_lr else 'an lr read on the host'}"
             f", which a captured step() would freeze at its capture-time value. Convert it with {_CONVERT}")
@@ -352,13 +372,11 @@ def _refuse_fused(opt: Optimizer) -> None:
     # Checked again when a converted optimizer is converted anew: its parameters may have moved to an NPU since.
     if not any(group.get("fused") for group in opt.param_groups):
         return
-    npu = any(p.device.type == "npu" for p in _params(opt))
-    if npu or not isinstance(opt, _FUSED):
-        why = ("torch_npu's fused kernels are not known to be capture-safe (it has no _fused_adamw_ with a tensor "
-               "lr, and whether _fused_adam_ reads the step count without a host sync is unconfirmed)" if npu else
-               "npugraph_train captures the fused kernels of Adam and AdamW only")
+    if any(p.device.type == "npu" for p in _params(opt)):
         raise MisconfigurationException(
-            f"{type(opt).__name__}(fused=True) cannot be captured here: {why}. Construct it with foreach=True "
+            f"{type(opt).__name__}(fused=True) cannot be captured on an NPU: torch_npu's fused kernels are not known "
+            "to be capture-safe (it has no _fused_adamw_ with a tensor lr, and whether its _fused_adam_ and "
+            "_fused_sgd_ read their host arguments without a sync is unconfirmed). Construct it with foreach=True "
             f"(npugraph_train captures that implementation on every device), {_KEEP_EAGER}")
     if any(isinstance(beta, torch.Tensor) for group in opt.param_groups if group.get("fused")
            for beta in group.get("betas", ())):
