@@ -1920,9 +1920,13 @@ class TestModuleState:
         pool = ng.graph_pool_handle()
         a = ng.make_graphed_callables(nn.Linear(4, 4), (torch.zeros(3, 4),), pool=pool)
         b = ng.make_graphed_callables(nn.Linear(4, 1), (torch.zeros(3, 4, requires_grad=True),), pool=pool)
-        with pytest.warns(RuntimeWarning, match="called before the backward of an earlier call in its memory pool .*"
-                                                "in one make_graphed_callables tuple, or give each its own pool"):
+        with pytest.warns(RuntimeWarning, match="called before the backward of another callable's call that its "
+                                                "memory pool replays first .*in one make_graphed_callables call "
+                                                r"\(a tuple\), or give each its own pool"):
             b(a(torch.randn(3, 4))).sum().backward()
+        shared = ng.make_graphed_callables(nn.Linear(4, 4), (torch.zeros(3, 4),))
+        with pytest.warns(RuntimeWarning, match="called again before the backward of its earlier call"):
+            (shared(torch.randn(3, 4)) * shared(torch.randn(3, 4))).sum().backward()
 
     def test_a_graphed_module_inside_a_whole_network_capture_runs_eager_into_it(self):
         def run(graphed):
@@ -1950,7 +1954,15 @@ class TestModuleState:
 
         (eager, _), (graphed, warned) = run(False), run(True)
         assert all(torch.equal(p, q) for p, q in zip(eager, graphed))
-        assert len(warned) == 1 and "called during another graph's capture, which records its ops eager" in warned[0]
+        assert len(warned) == 1 and "called during another graph's capture (it runs eager there)" in warned[0]
+
+    def test_a_backward_inside_a_capture_of_a_call_made_before_it_is_refused_by_name(self):
+        block = ng.make_graphed_callables(nn.Linear(4, 4), (torch.zeros(3, 4),), names=["block"])
+        loss = block(torch.randn(3, 4)).sum()
+        with pytest.raises(ng.GraphStateError, match="block: backward, during another graph's capture, of a call made "
+                                                     "before that capture.*run this backward after the capture"):
+            with ng.graph(ng.Graph()):
+                loss.backward()
 
     def test_pool_order_without_and_with_a_scan(self):
         # The order keeper decides a step's rising calls from its last entry alone; anything else is scanned.

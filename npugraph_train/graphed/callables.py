@@ -301,13 +301,16 @@ class GraphedCallable:
                     "(use_reentrant=False) recomputing a region that contains it. Checkpoint with "
                     "use_reentrant=True, or checkpoint the graphed module alone (checkpoint(module, x)), or "
                     "checkpoint inside the graphed module")
-            return self._eager("called before the backward of an earlier call in its memory pool (of this callable "
-                               "or another sharing the pool): graphs in one pool replay only in capture order, so "
-                               "graph callables that run interleaved in one make_graphed_callables tuple, or give "
-                               "each its own pool", args, kwargs)
-        if capturing():
-            # The other capture records this call's ops as they run: a replay cannot be captured into it.
-            return self._eager("called during another graph's capture, which records its ops eager", args, kwargs,
+            if any(other.backward_pending() for other in self.signatures.values()):
+                return self._eager("called again before the backward of its earlier call, whose activations a replay "
+                                   "would overwrite (its graphs serve one call per backward)", args, kwargs)
+            return self._eager("called before the backward of another callable's call that its memory pool replays "
+                               "first (graphs in one pool replay in capture order): graph the callables whose calls "
+                               "interleave in one make_graphed_callables call (a tuple), or give each its own pool",
+                               args, kwargs)
+        if self._in_capture():
+            # This package's capture records the call's eager ops; a replay cannot be captured into another graph.
+            return self._eager("called during another graph's capture (it runs eager there)", args, kwargs,
                                kind="nested")
         if update is not None:
             sig.update(update)
@@ -361,6 +364,10 @@ class GraphedCallable:
             self._param_hooks_seen = handles
         return self._params_hooked
 
+    def _in_capture(self) -> bool:
+        # This package's captures, on any stream or thread, and the device's own (torch.cuda.graph) on this stream.
+        return capturing() or self.backend.is_current_stream_capturing()
+
     def _why_not_capture(self, key: Signature, flat: List[Any]) -> Optional[Tuple[str, str]]:
         """(kind, reason) when a call of a new signature runs eager instead of capturing, else None."""
         if key in self._failed:  # one failed capture of a signature is enough: its calls run eager
@@ -371,7 +378,7 @@ class GraphedCallable:
                                       f"{difference_hint(key, self.signatures)}")
         if any(not isinstance(t, torch.Tensor) and not is_constant(t) for t in flat):
             return "non-tensor", f"non-tensor argument in {describe_signature(key)}"
-        if self.backend.is_current_stream_capturing():
+        if self._in_capture():
             return "nested", "new signature met during another capture"
         if in_checkpoint_forward() or torch._C._current_graph_task_id() != -1:
             # A capture there would save other tensors than the checkpoint's recompute (which runs eager), or

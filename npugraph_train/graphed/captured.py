@@ -23,7 +23,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from torch.utils.hooks import RemovableHandle
 
 from .errors import GraphCaptureError, GraphStateError
-from .graphs import Graph, graph
+from .graphs import Graph, capturing, graph
 from .host_random import HostRandom
 from .attribute_reads import assigned_since, assignment_count
 from .settings import ModuleSettings, recording_config_reads
@@ -482,6 +482,11 @@ class CapturedSignature:
                     raise GraphStateError(
                         f"{name}: backward of a call made before its graphs were released (ungraph, or parameters "
                         "whose requires_grad changed); run the backward before releasing")
+                if capturing():
+                    raise GraphStateError(
+                        f"{name}: backward, during another graph's capture, of a call made before that capture: its "
+                        "backward graph cannot replay into the capture. Make the call inside the capture too (it "
+                        "runs eager there, and the capture records it), or run this backward after the capture")
                 if ctx.replay != sig.replays:
                     raise GraphStateError(
                         f"{name}: backward of a call whose activations a later call's replay overwrote "

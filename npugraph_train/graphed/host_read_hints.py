@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import os
 import sys
-from typing import Iterable, Optional
+from types import FrameType
+from typing import Iterable, List, Optional
 
 import torch
 from torch.distributions import Distribution, MultivariateNormal
 from torch.nn.modules.batchnorm import _NormBase
 
-from .user_code import Place, outward
+from .user_code import INTERNAL_DIRS, Place, outward
 
 
 def library_hint(places: Optional[Iterable[Place]] = None) -> str:
@@ -80,22 +81,33 @@ def library_hint(places: Optional[Iterable[Place]] = None) -> str:
             return (", in lightning's grad_norm, which stacks the per-parameter norms with torch.tensor(list) on the "
                     "host; call it after the step (on_train_batch_end, where .grad holds the step's gradients), or "
                     "log torch.linalg.vector_norm(p.grad) per parameter")
-        elif path.startswith(_OPTIM) and issubclass(cls, torch.optim.Optimizer) and not all(
-                group.get("capturable") for group in frame.f_locals["self"].param_groups):
-            # (A converted optimizer's groups are capturable, or its step is npugraph_train's own: CapturableSGD.)
-            return (f", in {cls.__name__}.step(), not made capture-safe, which reads its step count or learning rate "
-                    "on the host (on NPU, where torch does not check, a captured step() would train silently wrong); "
-                    "convert it with npugraph_train.optim.make_capturable(optimizer) (NPUGraphCallback does in "
-                    "whole_step mode), or keep the optimizer step out of the graph")
         elif path == _CLIP_GRAD and frame.f_locals.get("error_if_nonfinite") is True:
             clip_function = function
     if clip_function is None:
-        return ""
+        return _optimizer_hint(frames)
     public = clip_function.lstrip("_")
     replacement = (", or use npugraph_train.optim.clip_grad_norm_" if public in ("clip_grad_norm_", "clip_grad_norm")
                    else "")
     return (f", in torch.nn.utils.{public}(error_if_nonfinite=True), which checks the norm on the host; leave "
             f"error_if_nonfinite False (the default){replacement}")
+
+
+def _optimizer_hint(frames: List[FrameType]) -> str:
+    # Only a read by torch's own step code counts: one reached from the read through torch's and this package's
+    # frames alone. A closure (Lightning's training step) or a hook that the step calls is the caller's code.
+    for frame in frames:
+        path = frame.f_code.co_filename
+        if not path.startswith(INTERNAL_DIRS):
+            return ""
+        owner = frame.f_locals.get("self")
+        if path.startswith(_OPTIM) and issubclass(type(owner), torch.optim.Optimizer):
+            if all(group.get("capturable") for group in owner.param_groups):
+                return ""
+            return (f", in {type(owner).__name__}.step(), not made capture-safe, which reads its step count or "
+                    "learning rate on the host (on NPU, where torch does not check, a captured step() would train "
+                    "silently wrong); convert it with npugraph_train.optim.make_capturable(optimizer) "
+                    "(NPUGraphCallback does in whole_step mode), or keep the optimizer step out of the graph")
+    return ""
 
 
 def _distribution_name(cls: type) -> str:

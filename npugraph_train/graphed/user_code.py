@@ -17,7 +17,8 @@ from typing import Dict, Iterable, Iterator, List, Optional, Tuple, Type
 
 import torch
 
-_SKIP_DIRS = tuple(os.path.dirname(p) + os.sep for p in (torch.__file__, os.path.dirname(__file__)))
+# torch's folder and this package's: code that is neither the user's nor a library's.
+INTERNAL_DIRS = tuple(os.path.dirname(p) + os.sep for p in (torch.__file__, os.path.dirname(__file__)))
 _STDLIB = sysconfig.get_paths()["stdlib"] + os.sep
 
 
@@ -47,7 +48,7 @@ def raised_through(exc: BaseException) -> List[Place]:
 def is_installed(path: str) -> bool:
     """Whether the file at ``path`` is installed code: the standard library, torch, npugraph_train, or a package in a
     site-packages or dist-packages folder; not the user's script or project."""
-    return path.startswith(_SKIP_DIRS) or path.startswith(_STDLIB) or not _PACKAGE_FOLDERS.isdisjoint(
+    return path.startswith(INTERNAL_DIRS) or path.startswith(_STDLIB) or not _PACKAGE_FOLDERS.isdisjoint(
         path.split(os.sep))
 
 
@@ -56,7 +57,7 @@ _PACKAGE_FOLDERS = frozenset(("site-packages", "dist-packages"))
 
 def _is_library(frame: FrameType) -> bool:
     path = frame.f_code.co_filename
-    return path.startswith(_SKIP_DIRS) or path.startswith(_STDLIB) or f"{os.sep}lightning{os.sep}" in path
+    return path.startswith(INTERNAL_DIRS) or path.startswith(_STDLIB) or f"{os.sep}lightning{os.sep}" in path
 
 
 def _user_place(places: Iterable[Place]) -> Optional[Place]:
