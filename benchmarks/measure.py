@@ -194,7 +194,10 @@ def snapshot(module: torch.nn.Module) -> Dict[str, torch.Tensor]:
 def max_abs_diff(a: Optional[Dict[str, torch.Tensor]], b: Optional[Dict[str, torch.Tensor]]) -> Optional[float]:
     if a is None or b is None or a.keys() != b.keys():
         return None
-    return max(float((a[k].double() - b[k].double()).abs().max()) for k in a) if a else 0.0
+    if not a:
+        return 0.0
+    # torch's max, not Python's, which skips a NaN that follows a number: a diverged run must show.
+    return float(torch.stack([(a[k].double() - b[k].double()).abs().max() for k in a]).max())
 
 
 def memory_of_report(rows: List[Dict[str, Any]]) -> tuple:
