@@ -308,8 +308,9 @@ class GraphedCallable:
                                "first (graphs in one pool replay in capture order): graph the callables whose calls "
                                "interleave in one make_graphed_callables call (a tuple), or give each its own pool",
                                args, kwargs)
-        if self._in_capture():
+        if capturing():
             # This package's capture records the call's eager ops; a replay cannot be captured into another graph.
+            # (A module global: the device's own capture check costs a device call on every replay.)
             return self._eager("called during another graph's capture (it runs eager there)", args, kwargs,
                                kind="nested")
         if update is not None:
@@ -364,10 +365,6 @@ class GraphedCallable:
             self._param_hooks_seen = handles
         return self._params_hooked
 
-    def _in_capture(self) -> bool:
-        # This package's captures, on any stream or thread, and the device's own (torch.cuda.graph) on this stream.
-        return capturing() or self.backend.is_current_stream_capturing()
-
     def _why_not_capture(self, key: Signature, flat: List[Any]) -> Optional[Tuple[str, str]]:
         """(kind, reason) when a call of a new signature runs eager instead of capturing, else None."""
         if key in self._failed:  # one failed capture of a signature is enough: its calls run eager
@@ -378,7 +375,7 @@ class GraphedCallable:
                                       f"{difference_hint(key, self.signatures)}")
         if any(not isinstance(t, torch.Tensor) and not is_constant(t) for t in flat):
             return "non-tensor", f"non-tensor argument in {describe_signature(key)}"
-        if self._in_capture():
+        if capturing() or self.backend.is_current_stream_capturing():  # this package's, or the device's own
             return "nested", "new signature met during another capture"
         if in_checkpoint_forward() or torch._C._current_graph_task_id() != -1:
             # A capture there would save other tensors than the checkpoint's recompute (which runs eager), or

@@ -75,19 +75,13 @@ class Graph:
             self._state = _CAPTURING
             self._auto_dispatch, self._updated, self._replay_done = False, False, None
 
-    def _finish_capture(self, ok: bool) -> None:
+    def _finish_capture(self, ok: bool, began: bool = True) -> None:
+        # A start the device refused (the default stream) captured nothing: the graph stays empty, and a retry on a
+        # side stream needs no reset(), as with torch's graphs.
         global _active_capture
         with _capture_lock:
             _active_capture = None
-            self._state = _CAPTURED if ok else _FAILED
-
-    def _refused_start(self) -> None:
-        # The device refused to begin (the default stream): nothing was captured, so the graph stays empty and a
-        # retry on a side stream needs no reset(), as with torch's graphs.
-        global _active_capture
-        with _capture_lock:
-            _active_capture = None
-            self._state = _EMPTY
+            self._state = _EMPTY if not began else _CAPTURED if ok else _FAILED
 
     def capture_begin(self, pool: Any = None, capture_error_mode: str = "global") -> None:
         """Begin capturing work on the current stream (which must not be the default stream)."""
@@ -97,7 +91,7 @@ class Graph:
         try:
             self.native.capture_begin(pool=pool, capture_error_mode=capture_error_mode)
         except BaseException:
-            self._refused_start()
+            self._finish_capture(ok=False, began=False)
             raise
 
     def capture_end(self) -> None:
@@ -220,7 +214,7 @@ class graph:
             self._ctx.__enter__()
             self.npu_graph._auto_dispatch = self._options["auto_dispatch_capture"]
         except BaseException as exc:
-            self.npu_graph._refused_start()
+            self.npu_graph._finish_capture(ok=False, began=False)
             error = _as_capture_error(exc)
             if error is exc:
                 raise

@@ -8,8 +8,8 @@ trains wrong, so the check here runs on every backend::
     optimizer = make_capturable(torch.optim.AdamW(model.parameters(), lr=1e-3))
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, 10)   # updates the lr tensor in place
 
-Supported: SGD, Adam, AdamW, Adamax, NAdam, RAdam, RMSprop, Rprop, ASGD, Adadelta (foreach), SGD, Adam and
-AdamW also with ``fused=True`` on CUDA and the emulator, and their subclasses (an SGD subclass that overrides
+Supported: SGD, Adam, AdamW, Adamax, NAdam, RAdam, RMSprop, Rprop, ASGD, Adadelta (foreach; SGD, Adam and
+AdamW also with ``fused=True`` on CUDA and the emulator), and their subclasses (an SGD subclass that overrides
 ``step`` is refused: subclass :class:`CapturableSGD`). Refused, with the alternative: Adagrad, LBFGS, SparseAdam
 and other classes, ``fused=True`` on NPU and with tensor betas, torch_npu's ``NpuFused*``.
 What it does, keeping the optimizer object and its state:
