@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from lightning.pytorch.callbacks import Callback
 
 from npugraph_train import NPUGraphCallback
+from npugraph_train.callbacks.accumulation import WHOLE_STEP
 from npugraph_train.optim import make_capturable
 
 from .measure import Device, RunResult, StepPlan, WindowClock, memory_of_report, replay_floor_us, snapshot
@@ -151,8 +152,10 @@ class StepTimer(Callback):
 
 
 def _whole_step_graph(callback: NPUGraphCallback) -> Any:
-    # The callback's captured graph (a private attribute: read defensively, the floor is optional).
-    return getattr(getattr(callback, "_whole", None), "graph", None)
+    # The callback's captured graph (private attributes: read defensively, the floor is optional). Benchmarks do not
+    # accumulate gradients: the one graph is the whole step's.
+    captured = getattr(getattr(callback, "_whole", None), "steps", {}).get(WHOLE_STEP)
+    return captured.graph if captured is not None else None
 
 
 def submodule_selection(spec: ModelSpec, granularity: str) -> dict:

@@ -353,11 +353,29 @@ def _attribute(module: torch.nn.Module, name: str) -> Any:
     return values[name] if name in values else getattr(module, name, UNSET)
 
 
+class LrTensors:
+    """The lr tensors a converted optimizer's steps read (eager steps and every captured graph alike)."""
+
+    def __init__(self, groups: List[Dict[str, Any]]) -> None:
+        self._lrs = [group["lr"] for group in groups]
+
+    def adopt(self, groups: List[Dict[str, Any]]) -> None:
+        """Put the lr tensors the optimizer step reads back into the param groups, with the values user code
+        assigned (``group["lr"] = 1e-3`` in a hook, a timm-style scheduler): manual schedules keep working."""
+        for group, kept in zip(groups, self._lrs):
+            lr = group["lr"]
+            if lr is not kept and isinstance(kept, torch.Tensor):
+                with torch.no_grad():
+                    kept.copy_(lr) if isinstance(lr, torch.Tensor) else kept.fill_(lr)
+                group["lr"] = kept
+        if len(groups) != len(self._lrs):  # add_param_group: a setup change, found by BakedSetup.change()
+            self._lrs = [group["lr"] for group in groups]
+
+
 class BakedSetup:
     """What a captured step bakes in, remembered at capture and compared before each replay."""
 
     def __init__(self) -> None:
-        self._lrs: List[Any] = []  # per param group: the lr tensor the graph reads (or the float it froze)
         self._settings: List[Dict[str, Any]] = []  # per param group, all but its params
         self._clipping: List[Any] = []
         self._sizes: List[int] = []
@@ -388,22 +406,6 @@ class BakedSetup:
         self._bound_memory: List[int] = []
         self._kept_grads: List[Tuple[torch.Tensor, torch.Tensor]] = []
         self.values_inside: List[str] = []  # see _with_values_inside
-
-    def track_lrs(self, groups: List[Dict[str, Any]]) -> None:
-        """The lr tensors that eager steps and the coming capture read (after the optimizer's conversion)."""
-        self._lrs = [group["lr"] for group in groups]
-
-    def adopt_lrs(self, groups: List[Dict[str, Any]]) -> None:
-        """Put the lr tensors the optimizer step reads back into the param groups, with the values user code
-        assigned (``group["lr"] = 1e-3`` in a hook, a timm-style scheduler): manual schedules keep working."""
-        for group, kept in zip(groups, self._lrs):
-            lr = group["lr"]
-            if lr is not kept and isinstance(kept, torch.Tensor):
-                with torch.no_grad():
-                    kept.copy_(lr) if isinstance(lr, torch.Tensor) else kept.fill_(lr)
-                group["lr"] = kept
-        if len(groups) != len(self._lrs):  # add_param_group: a setup change, found by change()
-            self._lrs = [group["lr"] for group in groups]
 
     def remember(self, module: "pl.LightningModule", optimizer: torch.optim.Optimizer,
                  root_reads: Collection[str] = (), assigned: Collection[Tuple[Any, str]] = (),
@@ -461,7 +463,6 @@ class BakedSetup:
         self._hparams = HparamsWatch(module, hparams_read, fields_read)
         self._setting_values, self._hparams_values, self._object_values = self.read_settings(module)
         groups = optimizer.param_groups
-        self._lrs = [group["lr"] for group in groups]
         self._settings = [{k: v for k, v in group.items() if k != "params"} for group in groups]
         self._clipping = _clipping(getattr(module, "_trainer", None))
         self._sizes = [len(group["params"]) for group in groups]

@@ -6,7 +6,7 @@ import dis
 from typing import Any, List
 
 import lightning.pytorch as pl
-from lightning.pytorch.callbacks import BaseFinetuning, GradientAccumulationScheduler, StochasticWeightAveraging
+from lightning.pytorch.callbacks import BaseFinetuning, StochasticWeightAveraging
 from lightning.pytorch.utilities import rank_zero_warn
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.model_helpers import is_overridden
@@ -29,10 +29,6 @@ def check_trainer(trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> Non
     if not pl_module.automatic_optimization:
         refuse("manual optimization (your training_step calls optimizer.step())",
                "use mode='submodules', or capture inside training_step with npugraph_train.graphed.graph")
-    if trainer.accumulate_grad_batches != 1 or any(
-            isinstance(c, GradientAccumulationScheduler) for c in trainer.callbacks):
-        refuse("gradient accumulation (non-stepping micro-batches run a different step)",
-               "set accumulate_grad_batches=1 (a larger batch), or use mode='submodules'")
     if trainer.world_size > 1 or trainer.num_devices > 1:
         refuse(f"training on {max(trainer.world_size, trainer.num_devices)} devices (collectives in the graph)",
                "train on one device, or use mode='submodules', which works under DDP")

@@ -13,7 +13,8 @@ on the replay path is: one ``tree_flatten`` of the batch and a comparison of its
 What a captured step cannot honour is refused when the fit starts (:mod:`.step_setup`), what the graph bakes
 in is checked before each replay and what the step must not do at capture (:mod:`.step_checks`; Python
 values it changes: :mod:`.host_state`); a changed setup captures the step again. ``self.log`` calls are
-recorded at capture and logged again after each replay (:mod:`.step_logs`).
+recorded at capture and logged again after each replay (:mod:`.step_logs`). Under gradient accumulation each
+kind of micro-batch is a graph of its own (:mod:`.accumulation`), all in one pool.
 """
 from __future__ import annotations
 
@@ -44,8 +45,9 @@ from ..graphed.user_code import warn_at_user_code
 from ..optim import check_capture_safe, clip_grad_norm_, make_capturable, unwrap
 from .batch import (MAX_CAPTURE_DELAY, VALUES_DIFFER, BatchKey, batch_key, describe, ready_to_capture,
                     values_differ)
+from .accumulation import WINDOW_START, MicroBatch, hand_over, micro_batch, stray_gradient
 from .report import NOT_CAPTURED, ended_status
-from .step_checks import (BakedSetup, WatchedIndex, host_random_error, is_metric, python_outputs,
+from .step_checks import (BakedSetup, LrTensors, WatchedIndex, host_random_error, is_metric, python_outputs,
                           python_state_error, rebinding_error, recording_reads, refuse_scheduler_steps,
                           watch_host_counters)
 from .step_logs import StepLogRecorder
@@ -98,6 +100,22 @@ def _layouts(leaves: List[Any]) -> List[Any]:
     return [(leaf.shape, leaf.stride()) if isinstance(leaf, torch.Tensor) else None for leaf in leaves]
 
 
+def _batch_reshaped(static_leaves: List[Any], layouts: List[Any]) -> Optional[GraphCaptureError]:
+    if _layouts(static_leaves) == layouts:
+        return None
+    # The next batch could not be copied into the capture's buffers.
+    return GraphCaptureError("training_step changes the shape of a batch tensor in place (squeeze_, "
+                             "unsqueeze_, t_, resize_); use the op that returns a new tensor (y = y.squeeze(1))")
+
+
+def _stray_gradient_error(name: str, accumulate: int) -> GraphCaptureError:
+    return GraphCaptureError(
+        f"under gradient accumulation (accumulate_grad_batches={accumulate}) parameter {name} gets a gradient in "
+        "a later micro-batch of a window but none in its first, whose graph makes the gradients the later ones add "
+        "to; make the step use the same parameters on every micro-batch (no branch on batch_idx), or use "
+        "mode='submodules'", module_name="training_step")
+
+
 def _clone(value: Any) -> Any:
     return value.clone() if isinstance(value, torch.Tensor) else value
 
@@ -116,36 +134,47 @@ def _configs(module: "pl.LightningModule") -> List[Any]:
         [value for name, value in vars(module).items() if name not in internal])
 
 
+@dataclasses.dataclass
+class CapturedStep:
+    """One captured graph: of the whole step, or under gradient accumulation of one kind of micro-batch."""
+
+    graph: Graph
+    micro_batch: MicroBatch
+    key: BatchKey  # the batch it was captured with; others run eager
+    static_leaves: List[Any]
+    written_leaves: List[int]  # batch tensors the step writes in place, copied back after a replay
+    leaves_require_grad: bool
+    static_result: Dict[str, Any]
+    # (parameter, the gradient buffer the graph writes): its own, or the window's first micro-batch's
+    static_grads: List[Tuple[torch.Tensor, torch.Tensor]]
+    logs: StepLogRecorder
+    attributes: StateAttributes
+    baked: BakedSetup  # what the graph bakes in, checked before each replay
+    record: Dict[str, Any]  # its entry in the report's captures, which counts its replays
+
+
 class WholeStepGrapher:
-    """State of the whole-step graph for one fit: refusals, conversion, capture, replay and report."""
+    """State of the whole-step graphs for one fit: refusals, conversion, capture, replay and report."""
 
     def __init__(self, config: NPUGraphConfig, backend: Backend) -> None:
         self.config = config
         self.backend = backend
-        self.graph: Optional[Graph] = None
+        self.steps: Dict[MicroBatch, CapturedStep] = {}  # one graph per kind of micro-batch (one without accumulation)
+        self.accumulate = 1  # the accumulate_grad_batches the graphs were captured with
         self.active = False
         self.failed = False
-        self.static_leaves: List[Any] = []
-        self.written_leaves: List[int] = []  # batch tensors the step writes in place, copied back after a replay
-        self.leaves_require_grad = False
-        self.key: Optional[BatchKey] = None
+        self.key: Optional[BatchKey] = None  # the last capture's batch, which a recapture waits for
         self.previous_key: Optional[BatchKey] = None  # the previous training step's batch
         self.capture_delay = 0
-        self.static_result: Dict[str, Any] = {}
-        self.static_grads: List[Tuple[torch.Tensor, torch.Tensor]] = []
-        self.logs: Optional[StepLogRecorder] = None
         self.replays = 0
-        self.capture_seconds = 0.0
-        self.pool_bytes: Optional[int] = None
         # Per capture: batch description, why it was captured again, replays before it, time, pool bytes.
         self.captures: List[Dict[str, Any]] = []
         self.eager_steps: Counter = Counter()
-        self.baked = BakedSetup()  # what the graph bakes in, checked before each replay
+        self.lrs: Optional[LrTensors] = None
         self.optimizer: Optional[torch.optim.Optimizer] = None
         self.recapture_reason: Optional[str] = None  # set while a changed setup waits to be captured again
         self.unsettled: Optional[str] = None  # why every step runs eager: the setup changes step after step
         self._changed_in_a_row = 0  # recaptures each made after at most one replay
-        self.attributes: Optional[StateAttributes] = None
         self.status = NOT_CAPTURED
         self._waited_for_filled = False  # one eager step already let attributes that held nothing fill
         self._waited_for_host_values = False  # one eager step already followed a step with another batch
@@ -171,7 +200,7 @@ class WholeStepGrapher:
         else:
             check_capture_safe(optimizer, tensor_lr_needed=bool(trainer.lr_scheduler_configs))
         self.optimizer = unwrap(optimizer)
-        self.baked.track_lrs(self.optimizer.param_groups)
+        self.lrs = LrTensors(self.optimizer.param_groups)
 
     # loop installation ---------------------------------------------------------------------------
     def install(self, trainer: "pl.Trainer") -> None:
@@ -198,8 +227,8 @@ class WholeStepGrapher:
 
     # capture and replay --------------------------------------------------------------------------
     def capture(self, loop: "_WholeStepOptimization", optimizer: Any, batch_idx: int, kwargs: OrderedDict,
-                leaves: List[Any], spec: Any, after_like_batch: bool) -> Dict[str, Any]:
-        """Capture this step (``after_like_batch``: the previous step's batch was like this one)."""
+                leaves: List[Any], spec: Any, after_like_batch: bool, micro: MicroBatch) -> Dict[str, Any]:
+        """Capture this step, of kind ``micro`` (``after_like_batch``: the previous step's batch was like this one)."""
         module = loop.trainer.lightning_module
         opaque = [type(leaf).__name__ for leaf in leaves if dataclasses.is_dataclass(leaf)]
         if opaque:
@@ -207,20 +236,27 @@ class WholeStepGrapher:
                 f"NPUGraphCallback(mode='whole_step'): the batch holds a {opaque[0]} dataclass, which torch's pytree "
                 "does not flatten, so its tensors cannot be copied into the graph's static buffers; register it "
                 f"(torch.utils._pytree.register_dataclass({opaque[0]})) or return tuples and dicts from the DataLoader")
-        self.static_leaves = static_copies(leaves)  # one per tensor: a batch [x, x] is one tensor in the graph too
-        versions = [getattr(leaf, "_version", None) for leaf in self.static_leaves]
-        layouts = _layouts(self.static_leaves)
+        window = None if micro.zero_grad else self.steps[WINDOW_START].static_grads
+        if window is not None:
+            hand_over(window)  # the micro-batch adds to the buffers the window's first one writes
+        static_leaves = static_copies(leaves)  # one per tensor: a batch [x, x] is one tensor in the graph too
+        versions = [getattr(leaf, "_version", None) for leaf in static_leaves]
+        layouts = _layouts(static_leaves)
         key = batch_key(leaves, spec)
         static_kwargs = OrderedDict(kwargs)
-        static_kwargs["batch"] = tree_unflatten(self.static_leaves, spec)
+        static_kwargs["batch"] = tree_unflatten(static_leaves, spec)
         if "batch_idx" in static_kwargs:
             static_kwargs["batch_idx"] = WatchedIndex(static_kwargs["batch_idx"], self._warn_host_read)
         attributes = StateAttributes(module, holders=is_metric)
         host_state = HostState(module, unwrap(optimizer), callbacks_inside_step(loop.trainer))
-        self.logs = StepLogRecorder(module)
-        module.log = self.logs
-        self.graph = Graph(self.backend)
+        logs = StepLogRecorder(module)
+        module.log = logs
+        captured_graph = Graph(self.backend)
+        # The kinds of micro-batch share one pool: each runs after the other, and what one leaves for later (the
+        # gradients, made by the first kind captured) is held while the others are captured.
+        pool = next(iter(self.steps.values())).graph.pool() if self.steps else None
         progress = copy.deepcopy(loop.optim_progress.state_dict())
+        grads = [(p, p.grad) for p in module.parameters()]
         opt = unwrap(optimizer)
         had_state = set(opt.state)
         failure: Optional[GraphCaptureError] = None
@@ -229,7 +265,7 @@ class WholeStepGrapher:
         configs = _configs(module)  # (before hparams' reads are recorded: looking through them reads them all)
         try:
             with watch_host_counters(self._warn_host_read), refuse_scheduler_steps(), graph(
-                    self.graph, capture_error_mode=self.config.capture_error_mode,
+                    captured_graph, pool=pool, capture_error_mode=self.config.capture_error_mode,
                     auto_dispatch_capture=self.config.auto_dispatch_capture), attributes.reads, \
                     recording_reads(module) as root_reads, recording_hparams_reads(module) as hparams_read, \
                     recording_config_reads(configs) as fields_read, \
@@ -243,19 +279,21 @@ class WholeStepGrapher:
         finally:
             del module.log
             # Capture ran no kernels: the tensors bound before it still hold the values they had then.
-            escaped = [call[3] for call in self.logs.calls] + tensors_in(result)
-            carried = attributes.carried(escaped, [t for t in self.static_leaves if isinstance(t, torch.Tensor)])
+            escaped = [call[3] for call in logs.calls] + tensors_in(result)
+            carried = attributes.carried(escaped, [t for t in static_leaves if isinstance(t, torch.Tensor)])
             if isinstance(static_kwargs.get("batch_idx"), WatchedIndex):
                 static_kwargs["batch_idx"].stop_watching()
         carried_failure = rebinding_error(module, carried) if failure is None and carried else None
         changed = host_state.changed()
         state_failure = python_state_error(changed)
-        self.written_leaves = [i for i, (leaf, version) in enumerate(zip(self.static_leaves, versions))
-                               if isinstance(leaf, torch.Tensor) and leaf._version != version]
-        failure = (failure or carried_failure or self._batch_reshaped(layouts)
-                   or _shared_batch_written(kwargs["batch"], leaves, self.written_leaves)
-                   or host_random_error(host_state.random_draws()) or state_failure)
-        self._warn_if_batch_changed(static_kwargs["batch"], spec)
+        written_leaves = [i for i, (leaf, version) in enumerate(zip(static_leaves, versions))
+                          if isinstance(leaf, torch.Tensor) and leaf._version != version]
+        stray = stray_gradient(module, window) if window is not None and failure is None else None
+        failure = (failure or carried_failure or _batch_reshaped(static_leaves, layouts)
+                   or _shared_batch_written(kwargs["batch"], leaves, written_leaves)
+                   or host_random_error(host_state.random_draws()) or state_failure
+                   or (_stray_gradient_error(stray, loop.trainer.accumulate_grad_batches) if stray else None))
+        self._warn_if_batch_changed(static_kwargs["batch"], spec, static_leaves)
         # Optimizer state made inside the graph would start over on every replay (parameters trained for the
         # first time: unfrozen, or in a group added at this step): an eager step makes it, then capture.
         fresh = [p for p in opt.state if p not in had_state]
@@ -263,11 +301,13 @@ class WholeStepGrapher:
             del opt.state[p]
 
         def discard() -> None:
-            # The capture ran no kernels (the emulator undoes its own); its Python bound attributes and changed
-            # values, which the step, run again eager, must find as before.
-            self.graph = None
+            # The capture ran no kernels (the emulator undoes its own); its Python bound attributes, gradients (a
+            # micro-batch that adds to them runs again eager) and changed values, which the step, run again eager,
+            # must find as before.
             attributes.restore()
             host_state.restore()
+            for p, grad in grads:
+                p.grad = grad
 
         def run_eager(reason: str, kind: Optional[str] = None) -> Dict[str, Any]:
             discard()
@@ -298,46 +338,42 @@ class WholeStepGrapher:
                 self.status = f"capture failed: {failure}"  # the report, logged at the exception, says why
                 raise GraphCaptureError(f"capturing the training step failed: {failure}",
                                         module_name="training_step") from failure
+            self._drop_graphs()
             self.active, self.failed, self.status = False, True, f"capture failed, runs eager: {failure}"
             rank_zero_warn(f"NPUGraphCallback(mode='whole_step'): the training step {self.status}")
             return run_eager("capture failed (on_failure='eager')")
-        self.attributes = attributes
-        self.leaves_require_grad = any(isinstance(t, torch.Tensor) and t.requires_grad for t in self.static_leaves)
-        self.key = key
-        self.capture_seconds = time.perf_counter() - started
-        self.pool_bytes = self.graph.pool_bytes()
         if not result:
-            self.graph = None
             raise MisconfigurationException(
                 "NPUGraphCallback(mode='whole_step'): training_step returned None (a skipped step), which a graph "
                 "cannot replay; return the loss, and skip batches in the data instead")
         self._warn_python_outputs(result)
-        self.static_result = result
-        self.static_grads = [(p, p.grad) for group in unwrap(optimizer).param_groups for p in group["params"]
-                             if p.grad is not None]
-        self.baked.remember(module, unwrap(optimizer), root_reads, assigned, attributes.read_bindings(), hparams_read,
-                            fields_read)
-        self._warn_values_inside(module)
-        self.captures.append({"description": describe(key), "reason": self.recapture_reason,
-                              "first_replay": self.replays, "capture_seconds": self.capture_seconds,
-                              "pool_bytes": self.pool_bytes})
+        baked = BakedSetup()
+        baked.remember(module, opt, root_reads, assigned, attributes.read_bindings(), hparams_read, fields_read)
+        self.accumulate = loop.trainer.accumulate_grad_batches
+        record = {"description": describe(key) + micro.describe(self.accumulate), "reason": self.recapture_reason,
+                  "first_replay": self.replays, "replays": 0, "capture_seconds": time.perf_counter() - started,
+                  "pool_bytes": captured_graph.pool_bytes()}
+        self.captures.append(record)
+        captured = self.steps[micro] = CapturedStep(
+            graph=captured_graph, micro_batch=micro, key=key, static_leaves=static_leaves,
+            written_leaves=written_leaves,
+            leaves_require_grad=any(isinstance(t, torch.Tensor) and t.requires_grad for t in static_leaves),
+            static_result=result, logs=logs, attributes=attributes, baked=baked, record=record,
+            static_grads=window if window is not None else [
+                (p, p.grad) for group in opt.param_groups for p in group["params"] if p.grad is not None])
+        self.key = key
+        self._warn_values_inside(module, baked)
         self.recapture_reason = None
         self.status = "graphed"
+        self.capture_delay = 0
         self._waited_for_filled = False  # a later recapture may land on an epoch's first batch again
         self._waited_for_host_values = False
         # Capture runs no kernels: this replay is the capture step's update.
-        return self.replay_step(loop, batch=kwargs["batch"])
+        return self.replay_step(loop, captured, batch=kwargs["batch"])
 
-    def _batch_reshaped(self, layouts: List[Any]) -> Optional[GraphCaptureError]:
-        if _layouts(self.static_leaves) == layouts:
-            return None
-        # The next batch could not be copied into the capture's buffers.
-        return GraphCaptureError("training_step changes the shape of a batch tensor in place (squeeze_, "
-                                 "unsqueeze_, t_, resize_); use the op that returns a new tensor (y = y.squeeze(1))")
-
-    def _warn_if_batch_changed(self, batch: Any, spec: Any) -> None:
+    def _warn_if_batch_changed(self, batch: Any, spec: Any, static_leaves: List[Any]) -> None:
         leaves, now = tree_flatten(batch)
-        if now != spec or not all(a is b for a, b in zip(leaves, self.static_leaves)):
+        if now != spec or not all(a is b for a, b in zip(leaves, static_leaves)):
             # Lightning hands its own batch to the hooks after the step, which a replay leaves as it was.
             rank_zero_warn("NPUGraphCallback(mode='whole_step'): training_step adds, removes or replaces entries of "
                            "its batch (batch['pred'] = ...); on replayed steps, hooks after it (on_train_batch_end) "
@@ -352,8 +388,8 @@ class WholeStepGrapher:
                 f"uses this value. Keep {name}-dependent logic out of training_step, or pass it as a device tensor "
                 "updated in place outside the step (e.g. a buffer you fill_ in on_train_batch_start)")
 
-    def _warn_values_inside(self, module: "pl.LightningModule") -> None:
-        names = [name for name in self.baked.values_inside if f"inside:{name}" not in self._warned]
+    def _warn_values_inside(self, module: "pl.LightningModule", baked: BakedSetup) -> None:
+        names = [name for name in baked.values_inside if f"inside:{name}" not in self._warned]
         if names:
             self._warned.update(f"inside:{name}" for name in names)
             shown = ", ".join(f"self.{name} ({type(getattr(module, name)).__name__})" for name in names[:3]) + (
@@ -372,31 +408,33 @@ class WholeStepGrapher:
                            "which every replay returns as at the capture step. Return tensors, or compute such "
                            "values outside the step (on_train_batch_end gets the batch and batch_idx)")
 
-    def replay_step(self, loop: "_WholeStepOptimization", leaves: Optional[List[Any]] = None,
+    def replay_step(self, loop: "_WholeStepOptimization", captured: CapturedStep, leaves: Optional[List[Any]] = None,
                     batch: Any = None) -> Dict[str, Any]:
         if self.config.auto_dispatch_capture:
-            self.graph.update(getattr(loop.trainer.lightning_module, UPDATE_HOOK)(batch))
+            captured.graph.update(getattr(loop.trainer.lightning_module, UPDATE_HOOK)(batch))
         if leaves is not None:
             # (under no_grad where the step made a batch tensor require grad: x.requires_grad_() for a gradient
             # penalty leaves a leaf, which autograd refuses to write in place otherwise)
-            with torch.no_grad() if self.leaves_require_grad else contextlib.nullcontext():
-                for static, new in zip(self.static_leaves, leaves):
+            with torch.no_grad() if captured.leaves_require_grad else contextlib.nullcontext():
+                for static, new in zip(captured.static_leaves, leaves):
                     if isinstance(static, torch.Tensor) and static.data_ptr() != new.data_ptr():
                         static.copy_(new, non_blocking=True)
-        self.graph.replay()
+        if not captured.micro_batch.zero_grad:
+            hand_over(captured.static_grads)  # an eager micro-batch before this one made gradients of its own
+        captured.graph.replay()
         self.replays += 1
-        if self.written_leaves:  # the step wrote its batch in place: hooks after it read the DataLoader's
+        captured.record["replays"] += 1
+        if captured.written_leaves:  # the step wrote its batch in place: hooks after it read the DataLoader's
             live = leaves if leaves is not None else tree_flatten(batch)[0]
-            for i in self.written_leaves:
-                live[i].copy_(self.static_leaves[i], non_blocking=True)
-        if self.attributes is not None:
-            self.attributes.bind_copies()
-        for p, g in self.static_grads:
+            for i in captured.written_leaves:
+                live[i].copy_(captured.static_leaves[i], non_blocking=True)
+        captured.attributes.bind_copies()
+        for p, g in captured.static_grads:
             # zero_grad(set_to_none=True) (validation, eager steps) detached them; the graph still writes here
             if p.grad is not g:
                 p.grad = g
-        self.logs.emit()
-        return _clone_outputs(self.static_result)
+        captured.logs.emit()
+        return _clone_outputs(captured.static_result)
 
     def count_eager(self, reason: str, kind: Optional[str] = None) -> None:
         """Count an eager step under ``reason``; warn once per ``kind`` (the reason, unless it varies)."""
@@ -427,36 +465,36 @@ class WholeStepGrapher:
                            "Each change costs a capture (counted in NPUGraphCallback.report()). " + (
                                lr_fix or "A setting changed every step is better kept constant (learning rates "
                                "may change: they are read from device tensors), or use mode='submodules'"))
-        self._drop_graph()
+        self._drop_graphs()
         self.recapture_reason, self.capture_delay = reason, 0
 
-    def _drop_graph(self) -> None:
-        # The graph's pool holds what it wrote: the static buffers, and tensors bound to attributes and logged.
-        self.graph, self.static_leaves, self.static_result, self.static_grads = None, [], {}, []
-        self.attributes, self.logs = None, None
+    def _drop_graphs(self) -> None:
+        # All of them: the later micro-batches' graphs add to gradients the first one's makes. The pool holds what
+        # they wrote: the static buffers, and tensors bound to attributes and logged.
+        self.steps = {}
 
     def release(self, stopped_by: Optional[BaseException] = None) -> None:
         """After fit: free the graph and its pool; what it leaves (gradients, written attributes) is copied out
         (``stopped_by``: the error that ended the fit)."""
-        for p, g in self.static_grads:
-            if p.grad is g:  # a device pool stays reserved while any block of it lives
-                p.grad = g.clone()
-        if self.attributes is not None:
-            self.attributes.bind_copies(final=True)
-        self._drop_graph()
+        for captured in self.steps.values():
+            for p, g in captured.static_grads:
+                if p.grad is g:  # a device pool stays reserved while any block of it lives
+                    p.grad = g.clone()
+            # (only the graph that ran last still has its tensors bound: the others leave them)
+            captured.attributes.bind_copies(final=True)
+        self._drop_graphs()
         self.active = False
         self.status = ended_status(self.status, stopped_by)
-        self.baked, self.optimizer = BakedSetup(), None
+        self.lrs, self.optimizer = None, None
 
     def report(self) -> List[Dict[str, Any]]:
         # One row per batch shape and reason: a setting changed every step is one row, not one per step.
         rows: Dict[Tuple[str, Optional[str]], Dict[str, Any]] = {}
-        for i, c in enumerate(self.captures):
-            end = self.captures[i + 1]["first_replay"] if i + 1 < len(self.captures) else self.replays
+        for c in self.captures:
             row = rows.setdefault((c["description"], c["reason"]), {
                 "description": c["description"], "replays": 0, "capture_seconds": 0.0,
                 "pool_bytes": c["pool_bytes"], "captures": 0})
-            row["replays"] += end - c["first_replay"]
+            row["replays"] += c["replays"]
             row["capture_seconds"] += c["capture_seconds"]
             row["captures"] += 1
             if c["reason"]:
@@ -481,60 +519,67 @@ class _WholeStepOptimization(_AutomaticOptimization):
             return self.eager_step(optimizer, batch_idx, kwargs, "capture failed (on_failure='eager')")
         if grapher.unsettled:
             return self.eager_step(optimizer, batch_idx, kwargs, grapher.unsettled)
-        accumulate = self.trainer.accumulate_grad_batches
-        if accumulate != 1 and grapher.active:
-            # Set after the fit-start refusal (in the module's setup(), by a callback): micro-batches that do not
-            # step run another step than the captured one. Lightning's loop runs them right.
-            return self.eager_step(optimizer, batch_idx, kwargs, f"gradient accumulation (accumulate_grad_batches="
-                                   f"{accumulate}, set after the fit started), which a captured step cannot run; keep "
-                                   "it 1 (a larger batch), or use mode='submodules'", kind="accumulation")
         opt = unwrap(optimizer)
         if opt is not grapher.optimizer:  # trainer.optimizers replaced; change() below captures again
             grapher.adopt_optimizer(self.trainer)
-        grapher.baked.adopt_lrs(opt.param_groups)  # also on eager steps: they and a capture read the same lr tensors
+        grapher.lrs.adopt(opt.param_groups)  # also on eager steps: they and a capture read the same lr tensors
         leaves, spec = tree_flatten(kwargs["batch"])
         key = batch_key(leaves, spec)
         previous, grapher.previous_key = grapher.previous_key, key
-        if grapher.graph is not None:
-            if grapher.attributes is not None:
-                # An eager step since the last replay rebound them; a replay runs no Python, so this is the
-                # one place they need binding again.
-                grapher.attributes.rebind_written()
-            change = grapher.baked.change(self.trainer.lightning_module, opt, batch_idx)
+        micro = micro_batch(self.trainer, batch_idx)
+        accumulate = self.trainer.accumulate_grad_batches
+        if grapher.steps and accumulate != grapher.accumulate:  # (GradientAccumulationScheduler, at an epoch's start)
+            grapher.drop_for_recapture("accumulation", f"accumulate_grad_batches changed from {grapher.accumulate} "
+                                       f"to {accumulate}")
+            if grapher.unsettled:
+                return self.eager_step(optimizer, batch_idx, kwargs, grapher.unsettled)
+        captured = grapher.steps.get(micro)
+        if captured is not None:
+            # An eager step (or another micro-batch's graph) since its last replay rebound them; a replay runs no
+            # Python, so this is the one place they need binding again.
+            captured.attributes.rebind_written()
+            change = captured.baked.change(self.trainer.lightning_module, opt, batch_idx)
             if change is not None:
                 grapher.drop_for_recapture(*change)
                 if grapher.unsettled:
                     return self.eager_step(optimizer, batch_idx, kwargs, grapher.unsettled)
-        if grapher.graph is None:
-            if grapher.recapture_reason is not None:
-                return self.recapture(optimizer, batch_idx, kwargs, leaves, spec, key, previous)
+                captured = None
+        if captured is None:
             if not grapher.active:
                 return super().run(optimizer, batch_idx, kwargs)  # a warmup step
+            if not micro.zero_grad and WINDOW_START not in grapher.steps:
+                return self.eager_step(optimizer, batch_idx, kwargs, "capture waits for the first micro-batch of an "
+                                       "accumulation window, whose graph makes the gradients the others add to",
+                                       kind="window")
+            if grapher.recapture_reason is not None:
+                return self.recapture(optimizer, batch_idx, kwargs, leaves, spec, key, previous, micro)
             if not ready_to_capture(key, previous, grapher.capture_delay):
                 grapher.capture_delay += 1
                 return self.eager_step(optimizer, batch_idx, kwargs,
                                        "capture waits for a batch like the previous one (shapes, values)")
-            return grapher.capture(self, optimizer, batch_idx, kwargs, leaves, spec, key == previous)
-        if key != grapher.key:
-            if values_differ(key, grapher.key):
+            return grapher.capture(self, optimizer, batch_idx, kwargs, leaves, spec, key == previous, micro)
+        if key != captured.key:
+            if values_differ(key, captured.key):
                 return self.eager_step(optimizer, batch_idx, kwargs,
                                        f"batch differs from the captured one: {VALUES_DIFFER}")
             return self.eager_step(optimizer, batch_idx, kwargs, f"batch {describe(key)} differs from the captured "
                                    "one", kind="shape")
-        shared = _shared_batch_written(kwargs["batch"], leaves, grapher.written_leaves)
+        shared = _shared_batch_written(kwargs["batch"], leaves, captured.written_leaves)
         if shared is not None:  # views of one tensor from this batch on (another collate in a later epoch)
             return self.eager_step(optimizer, batch_idx, kwargs, f"{shared}; this step runs eager", kind="shared")
-        result = grapher.replay_step(self, leaves, kwargs["batch"])
+        result = grapher.replay_step(self, captured, leaves, kwargs["batch"])
         progress = self.optim_progress.optimizer
-        progress.zero_grad.increment_ready()
-        progress.zero_grad.increment_started()
-        progress.zero_grad.increment_completed()
-        progress.step.increment_ready()
-        progress.step.increment_completed()
+        if micro.zero_grad:
+            progress.zero_grad.increment_ready()
+            progress.zero_grad.increment_started()
+            progress.zero_grad.increment_completed()
+        if micro.step:
+            progress.step.increment_ready()
+            progress.step.increment_completed()
         return result
 
     def recapture(self, optimizer: Any, batch_idx: int, kwargs: OrderedDict, leaves: List[Any], spec: Any,
-                  key: BatchKey, previous: Optional[BatchKey]) -> Dict[str, Any]:
+                  key: BatchKey, previous: Optional[BatchKey], micro: MicroBatch) -> Dict[str, Any]:
         """Capture again after a setup change, on a batch like the captured one (waiting at most
         MAX_CAPTURE_DELAY steps)."""
         grapher = self.grapher
@@ -542,13 +587,15 @@ class _WholeStepOptimization(_AutomaticOptimization):
             grapher.capture_delay += 1
             return self.eager_step(optimizer, batch_idx, kwargs, "capture again waits for a batch like the "
                                    "captured one")
-        return grapher.capture(self, optimizer, batch_idx, kwargs, leaves, spec, key == previous)
+        return grapher.capture(self, optimizer, batch_idx, kwargs, leaves, spec, key == previous, micro)
 
     def eager_step(self, optimizer: Any, batch_idx: int, kwargs: OrderedDict, reason: str,
                    kind: Optional[str] = None) -> Dict[str, Any]:
         self.grapher.count_eager(reason, kind)
         module = self.trainer.lightning_module
-        settings = self.grapher.baked.read_settings(module)
+        baked = [captured.baked for captured in self.grapher.steps.values()]
+        settings = [b.read_settings(module) for b in baked]
         result = super().run(optimizer, batch_idx, kwargs)
-        self.grapher.baked.adopt_settings(module, settings)
+        for b, before in zip(baked, settings):
+            b.adopt_settings(module, before)
         return result

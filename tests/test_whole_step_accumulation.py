@@ -1,0 +1,211 @@
+"""whole_step under gradient accumulation: one graph per kind of micro-batch, bitwise equal to eager Lightning."""
+import pytest
+import torch
+from lightning.pytorch import Callback
+from lightning.pytorch.callbacks import GradientAccumulationScheduler, ModelCheckpoint
+from torch.utils.data import DataLoader, TensorDataset
+
+from npugraph_train import NPUGraphCallback
+from npugraph_train.graphed import GraphCaptureError
+
+from .lightning_models import loaders, trainer
+from .test_whole_step import Scheduled, _run, _same, _same_trace
+
+
+def _kinds(report):
+    return {row["description"].split("), ", 1)[1]: row["replays"] for row in report["signatures"]}
+
+
+@pytest.mark.parametrize("accumulate,model_kwargs", [
+    (2, {"optimizer": "sgd", "schedule": "step"}),
+    (3, {"optimizer": "adamw", "schedule": "cosine", "dropout": 0.1}),
+    (4, {"optimizer": "adamw", "schedule": "step", "fused": True}),
+], ids=["2-sgd", "3-adamw-dropout", "4-adamw-fused"])
+def test_accumulation_matches_eager_lightning(accumulate, model_kwargs):
+    # 9 batches an epoch, the last one short: windows end at the epoch's end too; clipping, validation
+    eager, eager_trace, _ = _run(model_kwargs, None, gradient_clip_val=0.5, accumulate_grad_batches=accumulate)
+    graphed, graphed_trace, t = _run(model_kwargs, {}, gradient_clip_val=0.5, accumulate_grad_batches=accumulate)
+    assert t.global_step == 36
+    assert _same(eager, graphed)
+    _same_trace(eager_trace, graphed_trace)
+    report = t.callbacks[-1].report()[0]
+    kinds = _kinds(report)
+    assert kinds[f"micro-batch 1 of {accumulate} (zero_grad, backward)"] > 10
+    assert kinds[f"micro-batch {accumulate} of {accumulate} (backward, optimizer step)"] > 10
+    if accumulate > 2:
+        middle = "2" if accumulate == 3 else f"2-{accumulate - 1}"
+        assert kinds[f"micro-batch {middle} of {accumulate} (backward)"] > 10
+    assert sum(kinds.values()) == report["replays"] and report["captures"] == len(kinds)
+    # 9 % accumulate == 1: the short last batch is a window of its own, captured after waiting two epochs
+    assert (f"a window of 1 micro-batch of {accumulate} (an epoch's last batch)" in kinds) == (accumulate != 3)
+
+
+class SharedPool(Callback):
+    def __init__(self):
+        self.pools = None
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        steps = trainer.callbacks[-1]._whole.steps
+        if len(steps) == 3:
+            self.pools = {step.graph.pool() for step in steps.values()}
+
+
+def test_the_kinds_of_micro_batch_share_one_pool_and_the_window_s_gradients():
+    pools = SharedPool()
+    torch.manual_seed(0)
+    callback = NPUGraphCallback(mode="whole_step")
+    t = trainer([pools, callback], max_steps=9, accumulate_grad_batches=3, limit_val_batches=0)
+    t.fit(Scheduled(optimizer="adamw"), loaders()[0])
+    assert pools.pools is not None and len(pools.pools) == 1
+
+
+def _loader_with_odd_batches():
+    # windows of 3: (8, 8, 8), (8, 5, 8), (3, 8, 8), (8, 8, 6): an odd batch in the middle, first and last place
+    g = torch.Generator().manual_seed(7)
+    sizes = [8, 8, 8, 8, 5, 8, 3, 8, 8, 8, 8, 6]
+    x = torch.randn(sum(sizes), 4, generator=g)
+    y = torch.randn(sum(sizes), 1, generator=g)
+    starts = [sum(sizes[:i]) for i in range(len(sizes))]
+    batches = [list(range(s, s + n)) for s, n in zip(starts, sizes)]
+    return DataLoader(TensorDataset(x, y), batch_sampler=batches)
+
+
+def test_an_eager_micro_batch_hands_its_gradients_to_the_next_graph():
+    def run(callbacks):
+        torch.manual_seed(0)
+        model = Scheduled(optimizer="adamw")
+        t = trainer(callbacks, max_steps=16, accumulate_grad_batches=3, limit_val_batches=0, gradient_clip_val=1.0)
+        t.fit(model, _loader_with_odd_batches())
+        return model, t
+
+    eager, _ = run([])
+    graphed, t = run([NPUGraphCallback(mode="whole_step")])
+    assert _same(eager, graphed)
+    report = t.callbacks[-1].report()[0]
+    assert report["replays"] > 20
+    odd = {reason.split("[")[1].split(",")[0]: n for reason, n in report["eager_calls"].items()
+           if "differs from the captured one" in reason}
+    assert odd == {"5": 3, "3": 4, "6": 4}  # 4 epochs; the first epoch's 5 comes before any capture
+
+
+def test_accumulation_changed_during_fit_captures_again():
+    def run(graphed):
+        torch.manual_seed(0)
+        model = Scheduled(optimizer="adamw")
+        callbacks = [GradientAccumulationScheduler({0: 2, 2: 3})]
+        callbacks += [NPUGraphCallback(mode="whole_step")] if graphed else []
+        t = trainer(callbacks, max_steps=20, limit_val_batches=0)
+        t.fit(model, loaders()[0])
+        return model, t
+
+    eager, _ = run(False)
+    with pytest.warns(UserWarning, match="accumulate_grad_batches changed from 2 to 3 after the training step was "
+                                         "captured"):
+        graphed, t = run(True)
+    assert _same(eager, graphed)
+    rows = t.callbacks[-1].report()[0]["signatures"]
+    again = [row for row in rows if "recaptured: accumulate_grad_batches changed from 2 to 3" in row["description"]]
+    assert again and "micro-batch 1 of 3 (zero_grad, backward)" in again[0]["description"]
+    assert all(row["replays"] > 0 for row in again)
+
+
+class AccumulatesFromSetup(Scheduled):
+    def setup(self, stage):
+        self.trainer.accumulate_grad_batches = 3
+
+
+def test_accumulation_set_in_setup_is_captured():
+    def run(callbacks):
+        torch.manual_seed(0)
+        model = AccumulatesFromSetup()
+        t = trainer(callbacks, max_steps=6, val_check_interval=None, limit_val_batches=0)
+        t.fit(model, loaders()[0])
+        return model, t
+
+    eager, t_eager = run([])
+    graphed, t = run([NPUGraphCallback(mode="whole_step")])
+    assert t.global_step == t_eager.global_step == 6 and _same(eager, graphed)
+    assert t.callbacks[-1].report()[0]["replays"] > 8
+
+
+class ChangesClippingMidWindow(Callback):
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if trainer.global_step == 5 and batch_idx % 3 == 0:  # after a window's first micro-batch
+            trainer.gradient_clip_val = 0.1
+
+
+def test_a_setup_change_in_the_middle_of_a_window_captures_every_kind_again():
+    def run(graphed):
+        torch.manual_seed(0)
+        model = Scheduled(optimizer="adamw")
+        callbacks = [ChangesClippingMidWindow()] + ([NPUGraphCallback(mode="whole_step")] if graphed else [])
+        t = trainer(callbacks, max_steps=12, accumulate_grad_batches=3, limit_val_batches=0, gradient_clip_val=1.0)
+        t.fit(model, loaders()[0])
+        return model, t
+
+    eager, _ = run(False)
+    with pytest.warns(UserWarning, match="gradient_clip_val changed from 1.0 to 0.1"):
+        graphed, t = run(True)
+    assert _same(eager, graphed)
+    report = t.callbacks[-1].report()[0]
+    assert report["captures"] == 6  # three kinds, captured twice
+    assert "capture waits for the first micro-batch of an accumulation window" in " ".join(report["eager_calls"])
+
+
+class ExtraHeadOnLaterMicroBatches(Scheduled):
+    def __init__(self, **kwargs):
+        super().__init__(optimizer="adamw", **kwargs)
+        self.extra = torch.nn.Linear(4, 1)
+
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        if batch_idx % 2:
+            loss = loss + self.extra(batch[0]).pow(2).mean()
+        return loss
+
+
+def test_a_parameter_trained_only_on_later_micro_batches_is_refused_with_the_fix():
+    torch.manual_seed(0)
+    t = trainer([NPUGraphCallback(mode="whole_step")], max_steps=8, accumulate_grad_batches=2, limit_val_batches=0)
+    with pytest.warns(RuntimeWarning, match="batch_idx"), pytest.raises(
+            GraphCaptureError, match=r"accumulate_grad_batches=2\) parameter extra.weight gets a gradient in a later "
+                                     r"micro-batch.*no branch on batch_idx.*mode='submodules'"):
+        t.fit(ExtraHeadOnLaterMicroBatches(), loaders()[0])
+
+
+def test_resume_from_a_checkpoint_of_a_graphed_accumulating_fit_matches_eager(tmp_path):
+    # (Lightning's own mid-epoch resume does not replay the epoch's data as an uninterrupted fit: eager resumes
+    # are the reference)
+    train = loaders()[0]
+    run = dict(max_steps=12, accumulate_grad_batches=2, limit_val_batches=0)
+
+    def fit(callbacks, ckpt_path=None, **kwargs):
+        torch.manual_seed(0)
+        model = Scheduled(optimizer="adamw", schedule="cosine")
+        t = trainer(callbacks, **{**run, **kwargs})
+        t.fit(model, train, ckpt_path=ckpt_path)
+        return model, t
+
+    save = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=7, save_top_k=-1, filename="{step}")
+    fit([NPUGraphCallback(mode="whole_step"), save], enable_checkpointing=True)
+    eager, _ = fit([], ckpt_path=tmp_path / "step=7.ckpt")
+    callback = NPUGraphCallback(mode="whole_step")
+    resumed, t = fit([callback], ckpt_path=tmp_path / "step=7.ckpt")
+    assert t.global_step == 12 and _same(eager, resumed)
+    assert callback.report()[0]["replays"] > 0
+
+
+def test_on_failure_eager_runs_such_a_step_eager_as_lightning_does():
+    def run(callbacks):
+        torch.manual_seed(0)
+        model = ExtraHeadOnLaterMicroBatches()
+        t = trainer(callbacks, max_steps=8, accumulate_grad_batches=2, limit_val_batches=0)
+        t.fit(model, loaders()[0])
+        return model, t
+
+    eager, _ = run([])
+    with pytest.warns(UserWarning, match="capture failed, runs eager: under gradient accumulation"):
+        graphed, t = run([NPUGraphCallback(mode="whole_step", on_failure="eager")])
+    assert _same(eager, graphed)
+    report = t.callbacks[-1].report()[0]
+    assert report["status"].startswith("capture failed, runs eager") and report["eager_calls"]
