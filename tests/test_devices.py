@@ -101,16 +101,19 @@ def test_callback_submodules(backend):
     assert_parity(dict(eager.named_parameters()), dict(graphed.named_parameters()), backend)
 
 
-@pytest.mark.parametrize("fused", [None, True], ids=["foreach", "fused"])
-def test_callback_whole_step(backend, fused):
+@pytest.mark.parametrize("fused, accumulate", [(None, 1), (True, 1), (None, 3)],
+                         ids=["foreach", "fused", "accumulate"])
+def test_callback_whole_step(backend, fused, accumulate):
+    # (accumulate: three graphs in one pool, adding to the first one's gradient buffers)
     from .test_whole_step import _run
 
     if fused and backend.name == "npu":
         pytest.skip("fused=True is refused on NPU (torch_npu has no _fused_adamw_ with a tensor lr)")
-    kwargs = dict(accelerator=ACCELERATOR[backend.name], max_steps=20, gradient_clip_val=0.5)
+    kwargs = dict(accelerator=ACCELERATOR[backend.name], max_steps=20, gradient_clip_val=0.5,
+                  accumulate_grad_batches=accumulate)
     eager, _, _ = _run({"optimizer": "adamw", "fused": fused}, None, **kwargs)
     graphed, _, t = _run({"optimizer": "adamw", "fused": fused}, {}, **kwargs)
-    assert t.callbacks[-1].report()[0]["replays"] > 10
+    assert t.callbacks[-1].report()[0]["replays"] > 10 * accumulate
     assert_parity(dict(eager.named_parameters()), dict(graphed.named_parameters()), backend)
 
 

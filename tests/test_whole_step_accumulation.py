@@ -7,6 +7,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from npugraph_train import NPUGraphCallback
 from npugraph_train.graphed import GraphCaptureError
+from npugraph_train.optim import make_capturable
 
 from .lightning_models import loaders, trainer
 from .test_whole_step import Scheduled, _run, _same, _same_trace
@@ -148,7 +149,10 @@ def test_a_setup_change_in_the_middle_of_a_window_captures_every_kind_again():
         graphed, t = run(True)
     assert _same(eager, graphed)
     report = t.callbacks[-1].report()[0]
-    assert report["captures"] == 6  # three kinds, captured twice
+    assert report["captures"] == 6  # three kinds, captured twice; each kind's second capture says why
+    again = [row["description"] for row in report["signatures"] if "recaptured: trainer.gradient_clip_val" in
+             row["description"]]
+    assert len(again) == 3, report["signatures"]
     assert "capture waits for the first micro-batch of an accumulation window" in " ".join(report["eager_calls"])
 
 
@@ -209,3 +213,85 @@ def test_on_failure_eager_runs_such_a_step_eager_as_lightning_does():
     assert _same(eager, graphed)
     report = t.callbacks[-1].report()[0]
     assert report["status"].startswith("capture failed, runs eager") and report["eager_calls"]
+
+
+class MultiTask(Scheduled):
+    """A non-tensor ``task`` in the batch picks the head: the other task's batches run eager (values differ)."""
+
+    def __init__(self):
+        super().__init__(optimizer="adamw", schedule=None)
+        self.head_b = torch.nn.Linear(8, 1)
+
+    def forward(self, x, task):
+        h = self.embed(x)
+        for block in self.blocks:
+            h = block(h)
+        return (self.head if task == "a" else self.head_b)(h)
+
+    def training_step(self, batch, batch_idx):
+        loss = torch.nn.functional.mse_loss(self(batch["x"], batch["task"]), batch["y"])
+        self.log("train_loss", loss)
+        return loss
+
+
+class Grads(Callback):
+    def __init__(self):
+        self.rows = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.rows.append([None if p.grad is None else p.grad.clone() for p in pl_module.parameters()])
+
+
+def _multitask_loader(b_at, short_at=()):
+    g = torch.Generator().manual_seed(1)
+    items = []
+    for i in range(10):
+        n = 5 if i in short_at else 8
+        items.append({"x": torch.randn(n, 4, generator=g), "y": torch.randn(n, 1, generator=g),
+                      "task": "b" if i in b_at else "a"})
+    return DataLoader(items, batch_size=None)
+
+
+@pytest.mark.parametrize("accumulate,b_at,short_at", [
+    (3, (7,), ()),  # task b in a window's middle: it trains head_b, which the window's last graph would not step
+    (3, (6,), ()),  # in first place: head gets no gradient there, which the graphs would add to and step
+    (3, (7,), (2, 8)),  # a window ending eager after graphs: head_b's gradient from the epoch before must be gone
+    (1, (7,), ()),  # without accumulation: after an eager step, head_b's gradient goes at the next replay
+], ids=["middle", "first", "stale", "no-accumulation"])
+def test_an_eager_micro_batch_that_trains_other_parameters_ends_its_window_eager(accumulate, b_at, short_at):
+    def run(graphed):
+        torch.manual_seed(0)
+        model, grads = MultiTask(), Grads()
+        t = trainer([grads] + ([NPUGraphCallback(mode="whole_step")] if graphed else []), max_steps=16,
+                    accumulate_grad_batches=accumulate, limit_val_batches=0, gradient_clip_val=0.5)
+        t.fit(model, _multitask_loader(b_at, short_at))
+        return model, grads.rows, t
+
+    eager, eager_grads, _ = run(False)
+    graphed, graphed_grads, t = run(True)
+    assert _same(eager, graphed)
+    for step, (e, g) in enumerate(zip(eager_grads, graphed_grads)):
+        assert all((a is None) == (b is None) and (a is None or torch.equal(a, b)) for a, b in zip(e, g)), step
+    report = t.callbacks[-1].report()[0]
+    assert report["replays"] > 10
+    assert ("the window ends eager" in " ".join(report["eager_calls"])) == (accumulate > 1)
+
+
+class HeadOnly(Scheduled):
+    def configure_optimizers(self):
+        return make_capturable(torch.optim.SGD(self.head.parameters(), lr=0.05, momentum=0.9))
+
+
+def test_parameters_outside_the_optimizer_accumulate_as_in_eager():
+    # (the backbone requires grad but is not trained: Lightning's zero_grad leaves its gradients to grow)
+    def run(callbacks):
+        torch.manual_seed(0)
+        model = HeadOnly()
+        t = trainer(callbacks, max_steps=10, accumulate_grad_batches=2, limit_val_batches=0)
+        t.fit(model, loaders()[0])
+        return model, t
+
+    eager, _ = run([])
+    graphed, t = run([NPUGraphCallback(mode="whole_step")])
+    assert _same(eager, graphed) and t.callbacks[-1].report()[0]["replays"] > 10
+    assert all(torch.equal(a.grad, b.grad) for a, b in zip(eager.blocks.parameters(), graphed.blocks.parameters()))

@@ -61,9 +61,35 @@ def hand_over(grads: List[Tuple[torch.Tensor, torch.Tensor]]) -> None:
             p.grad = buffer
 
 
-def stray_gradient(module: torch.nn.Module, window: List[Tuple[torch.Tensor, torch.Tensor]]) -> Optional[str]:
-    """The name of a parameter whose gradient, after a later micro-batch's capture, is not the buffer that the
-    window's first micro-batch writes (it got none there: a branch taken only on later micro-batches)."""
+def _trained(optimizer: torch.optim.Optimizer) -> List[torch.Tensor]:
+    return [p for group in optimizer.param_groups for p in group["params"]]
+
+
+def stray_gradient(module: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                   window: List[Tuple[torch.Tensor, torch.Tensor]],
+                   before: List[Tuple[torch.Tensor, Optional[torch.Tensor]]]) -> Optional[str]:
+    """The name of a trained parameter that a later micro-batch's capture gave a new gradient, not the buffer the
+    window's first micro-batch writes (it got none there: a branch taken only on later micro-batches).
+    ``before``: each parameter of ``module`` and its gradient before the capture."""
+    trained = set(map(id, _trained(optimizer)))
     buffers = {id(p): g for p, g in window}
-    return next((name for name, p in module.named_parameters()
-                 if p.grad is not None and buffers.get(id(p)) is not p.grad), None)
+    return next((name for (name, p), (_, grad) in zip(module.named_parameters(), before)
+                 if id(p) in trained and p.grad is not None and p.grad is not grad and buffers.get(id(p)) is not p.grad),
+                None)
+
+
+def mismatched_gradient(optimizer: torch.optim.Optimizer,
+                        window: List[Tuple[torch.Tensor, torch.Tensor]]) -> Optional[torch.Tensor]:
+    """After an eager micro-batch in a window: a trained parameter that has a gradient the window's graphs do not
+    add to and step, or lacks one they would step (the eager one took another branch), if there is one."""
+    buffers = set(map(id, (p for p, _ in window)))
+    return next((p for p in _trained(optimizer) if (p.grad is not None) != (id(p) in buffers)), None)
+
+
+def drop_other_gradients(optimizer: torch.optim.Optimizer, grads: List[Tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """As ``zero_grad(set_to_none=True)`` would at a graph that starts a window (or a whole step): gradients that an
+    eager step left on parameters the graph gives none go."""
+    kept = set(map(id, (p for p, _ in grads)))
+    for p in _trained(optimizer):
+        if id(p) not in kept:
+            p.grad = None

@@ -45,7 +45,8 @@ from ..graphed.user_code import warn_at_user_code
 from ..optim import check_capture_safe, clip_grad_norm_, make_capturable, unwrap
 from .batch import (MAX_CAPTURE_DELAY, VALUES_DIFFER, BatchKey, batch_key, describe, ready_to_capture,
                     values_differ)
-from .accumulation import WINDOW_START, MicroBatch, hand_over, micro_batch, stray_gradient
+from .accumulation import (WINDOW_START, MicroBatch, drop_other_gradients, hand_over, micro_batch,
+                           mismatched_gradient, stray_gradient)
 from .report import NOT_CAPTURED, ended_status
 from .step_checks import (BakedSetup, LrTensors, WatchedIndex, host_random_error, is_metric, python_outputs,
                           python_state_error, rebinding_error, recording_reads, refuse_scheduler_steps,
@@ -163,7 +164,7 @@ class WholeStepGrapher:
         self.accumulate = 1  # the accumulate_grad_batches the graphs were captured with
         self.active = False
         self.failed = False
-        self.key: Optional[BatchKey] = None  # the last capture's batch, which a recapture waits for
+        self.keys: Dict[MicroBatch, BatchKey] = {}  # each kind's last capture's batch, which its recapture waits for
         self.previous_key: Optional[BatchKey] = None  # the previous training step's batch
         self.capture_delay = 0
         self.replays = 0
@@ -172,7 +173,10 @@ class WholeStepGrapher:
         self.eager_steps: Counter = Counter()
         self.lrs: Optional[LrTensors] = None
         self.optimizer: Optional[torch.optim.Optimizer] = None
-        self.recapture_reason: Optional[str] = None  # set while a changed setup waits to be captured again
+        self.recapture_reason: Optional[str] = None  # why the kinds in recapture_kinds wait to be captured again
+        self.recapture_kinds: set = set()
+        # An eager step ran since the last graph that zeroes gradients: gradients may lie outside the graphs' buffers.
+        self.eager_in_window = False
         self.unsettled: Optional[str] = None  # why every step runs eager: the setup changes step after step
         self._changed_in_a_row = 0  # recaptures each made after at most one replay
         self.status = NOT_CAPTURED
@@ -288,7 +292,7 @@ class WholeStepGrapher:
         state_failure = python_state_error(changed)
         written_leaves = [i for i, (leaf, version) in enumerate(zip(static_leaves, versions))
                           if isinstance(leaf, torch.Tensor) and leaf._version != version]
-        stray = stray_gradient(module, window) if window is not None and failure is None else None
+        stray = stray_gradient(module, opt, window, grads) if window is not None and failure is None else None
         failure = (failure or carried_failure or _batch_reshaped(static_leaves, layouts)
                    or _shared_batch_written(kwargs["batch"], leaves, written_leaves)
                    or host_random_error(host_state.random_draws()) or state_failure
@@ -350,7 +354,9 @@ class WholeStepGrapher:
         baked = BakedSetup()
         baked.remember(module, opt, root_reads, assigned, attributes.read_bindings(), hparams_read, fields_read)
         self.accumulate = loop.trainer.accumulate_grad_batches
-        record = {"description": describe(key) + micro.describe(self.accumulate), "reason": self.recapture_reason,
+        reason = self.recapture_reason if micro in self.recapture_kinds else None
+        self.recapture_kinds.discard(micro)
+        record = {"description": describe(key) + micro.describe(self.accumulate), "reason": reason,
                   "first_replay": self.replays, "replays": 0, "capture_seconds": time.perf_counter() - started,
                   "pool_bytes": captured_graph.pool_bytes()}
         self.captures.append(record)
@@ -361,9 +367,8 @@ class WholeStepGrapher:
             static_result=result, logs=logs, attributes=attributes, baked=baked, record=record,
             static_grads=window if window is not None else [
                 (p, p.grad) for group in opt.param_groups for p in group["params"] if p.grad is not None])
-        self.key = key
+        self.keys[micro] = key
         self._warn_values_inside(module, baked)
-        self.recapture_reason = None
         self.status = "graphed"
         self.capture_delay = 0
         self._waited_for_filled = False  # a later recapture may land on an epoch's first batch again
@@ -419,8 +424,12 @@ class WholeStepGrapher:
                 for static, new in zip(captured.static_leaves, leaves):
                     if isinstance(static, torch.Tensor) and static.data_ptr() != new.data_ptr():
                         static.copy_(new, non_blocking=True)
-        if not captured.micro_batch.zero_grad:
-            hand_over(captured.static_grads)  # an eager micro-batch before this one made gradients of its own
+        if self.eager_in_window:
+            if captured.micro_batch.zero_grad:
+                drop_other_gradients(self.optimizer, captured.static_grads)
+                self.eager_in_window = False
+            else:  # (checked by the loop: the eager one made gradients of the window's parameters, of no others)
+                hand_over(captured.static_grads)
         captured.graph.replay()
         self.replays += 1
         captured.record["replays"] += 1
@@ -465,6 +474,7 @@ class WholeStepGrapher:
                            "Each change costs a capture (counted in NPUGraphCallback.report()). " + (
                                lr_fix or "A setting changed every step is better kept constant (learning rates "
                                "may change: they are read from device tensors), or use mode='submodules'"))
+        self.recapture_kinds.update(self.steps)
         self._drop_graphs()
         self.recapture_reason, self.capture_delay = reason, 0
 
@@ -551,7 +561,17 @@ class _WholeStepOptimization(_AutomaticOptimization):
                 return self.eager_step(optimizer, batch_idx, kwargs, "capture waits for the first micro-batch of an "
                                        "accumulation window, whose graph makes the gradients the others add to",
                                        kind="window")
-            if grapher.recapture_reason is not None:
+        if not micro.zero_grad and grapher.eager_in_window:
+            other = mismatched_gradient(opt, grapher.steps[WINDOW_START].static_grads)
+            if other is not None:
+                name = next((n for n, p in self.trainer.lightning_module.named_parameters() if p is other),
+                            "a parameter")
+                return self.eager_step(optimizer, batch_idx, kwargs, f"an eager micro-batch earlier in this window "
+                                       f"{'gave' if other.grad is not None else 'did not give'} {name} a gradient, "
+                                       "unlike the window's graphs (it took another branch: a batch of another "
+                                       "shape or values); the window ends eager", kind="window gradients")
+        if captured is None:
+            if micro in grapher.recapture_kinds:
                 return self.recapture(optimizer, batch_idx, kwargs, leaves, spec, key, previous, micro)
             if not ready_to_capture(key, previous, grapher.capture_delay):
                 grapher.capture_delay += 1
@@ -583,7 +603,7 @@ class _WholeStepOptimization(_AutomaticOptimization):
         """Capture again after a setup change, on a batch like the captured one (waiting at most
         MAX_CAPTURE_DELAY steps)."""
         grapher = self.grapher
-        if grapher.capture_delay < MAX_CAPTURE_DELAY and key != grapher.key:
+        if grapher.capture_delay < MAX_CAPTURE_DELAY and key != grapher.keys.get(micro, key):
             grapher.capture_delay += 1
             return self.eager_step(optimizer, batch_idx, kwargs, "capture again waits for a batch like the "
                                    "captured one")
@@ -592,6 +612,7 @@ class _WholeStepOptimization(_AutomaticOptimization):
     def eager_step(self, optimizer: Any, batch_idx: int, kwargs: OrderedDict, reason: str,
                    kind: Optional[str] = None) -> Dict[str, Any]:
         self.grapher.count_eager(reason, kind)
+        self.grapher.eager_in_window = True
         module = self.trainer.lightning_module
         baked = [captured.baked for captured in self.grapher.steps.values()]
         settings = [b.read_settings(module) for b in baked]
