@@ -13,6 +13,19 @@ from .lightning_models import loaders, trainer
 from .test_whole_step import Scheduled, _run, _same, _same_trace
 
 
+def _fit(model, callbacks=(), loader=None, ckpt_path=None, **trainer_kwargs):
+    """Fit a model made by ``model()`` (after seeding) without validation; returns it and the trainer."""
+    torch.manual_seed(0)
+    made = model()
+    t = trainer(list(callbacks), limit_val_batches=0, **trainer_kwargs)
+    t.fit(made, loader if loader is not None else loaders()[0], ckpt_path=ckpt_path)
+    return made, t
+
+
+def _whole_step(**kwargs):
+    return [NPUGraphCallback(mode="whole_step", **kwargs)]
+
+
 def _kinds(report):
     return {row["description"].split("), ", 1)[1]: row["replays"] for row in report["signatures"]}
 
@@ -53,10 +66,7 @@ class SharedPool(Callback):
 
 def test_the_kinds_of_micro_batch_share_one_pool_and_the_window_s_gradients():
     pools = SharedPool()
-    torch.manual_seed(0)
-    callback = NPUGraphCallback(mode="whole_step")
-    t = trainer([pools, callback], max_steps=9, accumulate_grad_batches=3, limit_val_batches=0)
-    t.fit(Scheduled(optimizer="adamw"), loaders()[0])
+    _fit(lambda: Scheduled(optimizer="adamw"), [pools] + _whole_step(), max_steps=9, accumulate_grad_batches=3)
     assert pools.pools is not None and len(pools.pools) == 1
 
 
@@ -73,14 +83,11 @@ def _loader_with_odd_batches():
 
 def test_an_eager_micro_batch_hands_its_gradients_to_the_next_graph():
     def run(callbacks):
-        torch.manual_seed(0)
-        model = Scheduled(optimizer="adamw")
-        t = trainer(callbacks, max_steps=16, accumulate_grad_batches=3, limit_val_batches=0, gradient_clip_val=1.0)
-        t.fit(model, _loader_with_odd_batches())
-        return model, t
+        return _fit(lambda: Scheduled(optimizer="adamw"), callbacks, _loader_with_odd_batches(), max_steps=16,
+                    accumulate_grad_batches=3, gradient_clip_val=1.0)
 
     eager, _ = run([])
-    graphed, t = run([NPUGraphCallback(mode="whole_step")])
+    graphed, t = run(_whole_step())
     assert _same(eager, graphed)
     report = t.callbacks[-1].report()[0]
     assert report["replays"] > 20
@@ -91,13 +98,8 @@ def test_an_eager_micro_batch_hands_its_gradients_to_the_next_graph():
 
 def test_accumulation_changed_during_fit_captures_again():
     def run(graphed):
-        torch.manual_seed(0)
-        model = Scheduled(optimizer="adamw")
-        callbacks = [GradientAccumulationScheduler({0: 2, 2: 3})]
-        callbacks += [NPUGraphCallback(mode="whole_step")] if graphed else []
-        t = trainer(callbacks, max_steps=20, limit_val_batches=0)
-        t.fit(model, loaders()[0])
-        return model, t
+        callbacks = [GradientAccumulationScheduler({0: 2, 2: 3})] + (_whole_step() if graphed else [])
+        return _fit(lambda: Scheduled(optimizer="adamw"), callbacks, max_steps=20)
 
     eager, _ = run(False)
     with pytest.warns(UserWarning, match="accumulate_grad_batches changed from 2 to 3 after the training step was "
@@ -116,15 +118,8 @@ class AccumulatesFromSetup(Scheduled):
 
 
 def test_accumulation_set_in_setup_is_captured():
-    def run(callbacks):
-        torch.manual_seed(0)
-        model = AccumulatesFromSetup()
-        t = trainer(callbacks, max_steps=6, val_check_interval=None, limit_val_batches=0)
-        t.fit(model, loaders()[0])
-        return model, t
-
-    eager, t_eager = run([])
-    graphed, t = run([NPUGraphCallback(mode="whole_step")])
+    eager, t_eager = _fit(AccumulatesFromSetup, max_steps=6)
+    graphed, t = _fit(AccumulatesFromSetup, _whole_step(), max_steps=6)
     assert t.global_step == t_eager.global_step == 6 and _same(eager, graphed)
     assert t.callbacks[-1].report()[0]["replays"] > 8
 
@@ -137,12 +132,9 @@ class ChangesClippingMidWindow(Callback):
 
 def test_a_setup_change_in_the_middle_of_a_window_captures_every_kind_again():
     def run(graphed):
-        torch.manual_seed(0)
-        model = Scheduled(optimizer="adamw")
-        callbacks = [ChangesClippingMidWindow()] + ([NPUGraphCallback(mode="whole_step")] if graphed else [])
-        t = trainer(callbacks, max_steps=12, accumulate_grad_batches=3, limit_val_batches=0, gradient_clip_val=1.0)
-        t.fit(model, loaders()[0])
-        return model, t
+        callbacks = [ChangesClippingMidWindow()] + (_whole_step() if graphed else [])
+        return _fit(lambda: Scheduled(optimizer="adamw"), callbacks, max_steps=12, accumulate_grad_batches=3,
+                    gradient_clip_val=1.0)
 
     eager, _ = run(False)
     with pytest.warns(UserWarning, match="gradient_clip_val changed from 1.0 to 0.1"):
@@ -169,47 +161,32 @@ class ExtraHeadOnLaterMicroBatches(Scheduled):
 
 
 def test_a_parameter_trained_only_on_later_micro_batches_is_refused_with_the_fix():
-    torch.manual_seed(0)
-    t = trainer([NPUGraphCallback(mode="whole_step")], max_steps=8, accumulate_grad_batches=2, limit_val_batches=0)
     with pytest.warns(RuntimeWarning, match="batch_idx"), pytest.raises(
             GraphCaptureError, match=r"accumulate_grad_batches=2\) parameter extra.weight gets a gradient in a later "
                                      r"micro-batch.*no branch on batch_idx.*mode='submodules'"):
-        t.fit(ExtraHeadOnLaterMicroBatches(), loaders()[0])
+        _fit(ExtraHeadOnLaterMicroBatches, _whole_step(), max_steps=8, accumulate_grad_batches=2)
 
 
 def test_resume_from_a_checkpoint_of_a_graphed_accumulating_fit_matches_eager(tmp_path):
     # (Lightning's own mid-epoch resume does not replay the epoch's data as an uninterrupted fit: eager resumes
     # are the reference)
-    train = loaders()[0]
-    run = dict(max_steps=12, accumulate_grad_batches=2, limit_val_batches=0)
-
     def fit(callbacks, ckpt_path=None, **kwargs):
-        torch.manual_seed(0)
-        model = Scheduled(optimizer="adamw", schedule="cosine")
-        t = trainer(callbacks, **{**run, **kwargs})
-        t.fit(model, train, ckpt_path=ckpt_path)
-        return model, t
+        return _fit(lambda: Scheduled(optimizer="adamw", schedule="cosine"), callbacks, ckpt_path=ckpt_path,
+                    max_steps=12, accumulate_grad_batches=2, **kwargs)
 
     save = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=7, save_top_k=-1, filename="{step}")
-    fit([NPUGraphCallback(mode="whole_step"), save], enable_checkpointing=True)
+    fit(_whole_step() + [save], enable_checkpointing=True)
     eager, _ = fit([], ckpt_path=tmp_path / "step=7.ckpt")
-    callback = NPUGraphCallback(mode="whole_step")
-    resumed, t = fit([callback], ckpt_path=tmp_path / "step=7.ckpt")
+    resumed, t = fit(_whole_step(), ckpt_path=tmp_path / "step=7.ckpt")
     assert t.global_step == 12 and _same(eager, resumed)
-    assert callback.report()[0]["replays"] > 0
+    assert t.callbacks[-1].report()[0]["replays"] > 0
 
 
 def test_on_failure_eager_runs_such_a_step_eager_as_lightning_does():
-    def run(callbacks):
-        torch.manual_seed(0)
-        model = ExtraHeadOnLaterMicroBatches()
-        t = trainer(callbacks, max_steps=8, accumulate_grad_batches=2, limit_val_batches=0)
-        t.fit(model, loaders()[0])
-        return model, t
-
-    eager, _ = run([])
+    eager, _ = _fit(ExtraHeadOnLaterMicroBatches, max_steps=8, accumulate_grad_batches=2)
     with pytest.warns(UserWarning, match="capture failed, runs eager: under gradient accumulation"):
-        graphed, t = run([NPUGraphCallback(mode="whole_step", on_failure="eager")])
+        graphed, t = _fit(ExtraHeadOnLaterMicroBatches, _whole_step(on_failure="eager"), max_steps=8,
+                          accumulate_grad_batches=2)
     assert _same(eager, graphed)
     report = t.callbacks[-1].report()[0]
     assert report["status"].startswith("capture failed, runs eager") and report["eager_calls"]
@@ -260,11 +237,9 @@ def _multitask_loader(b_at, short_at=()):
 ], ids=["middle", "first", "stale", "no-accumulation"])
 def test_an_eager_micro_batch_that_trains_other_parameters_ends_its_window_eager(accumulate, b_at, short_at):
     def run(graphed):
-        torch.manual_seed(0)
-        model, grads = MultiTask(), Grads()
-        t = trainer([grads] + ([NPUGraphCallback(mode="whole_step")] if graphed else []), max_steps=16,
-                    accumulate_grad_batches=accumulate, limit_val_batches=0, gradient_clip_val=0.5)
-        t.fit(model, _multitask_loader(b_at, short_at))
+        grads = Grads()
+        model, t = _fit(MultiTask, [grads] + (_whole_step() if graphed else []), _multitask_loader(b_at, short_at),
+                        max_steps=16, accumulate_grad_batches=accumulate, gradient_clip_val=0.5)
         return model, grads.rows, t
 
     eager, eager_grads, _ = run(False)
@@ -284,14 +259,7 @@ class HeadOnly(Scheduled):
 
 def test_parameters_outside_the_optimizer_accumulate_as_in_eager():
     # (the backbone requires grad but is not trained: Lightning's zero_grad leaves its gradients to grow)
-    def run(callbacks):
-        torch.manual_seed(0)
-        model = HeadOnly()
-        t = trainer(callbacks, max_steps=10, accumulate_grad_batches=2, limit_val_batches=0)
-        t.fit(model, loaders()[0])
-        return model, t
-
-    eager, _ = run([])
-    graphed, t = run([NPUGraphCallback(mode="whole_step")])
+    eager, _ = _fit(HeadOnly, max_steps=10, accumulate_grad_batches=2)
+    graphed, t = _fit(HeadOnly, _whole_step(), max_steps=10, accumulate_grad_batches=2)
     assert _same(eager, graphed) and t.callbacks[-1].report()[0]["replays"] > 10
     assert all(torch.equal(a.grad, b.grad) for a, b in zip(eager.blocks.parameters(), graphed.blocks.parameters()))

@@ -73,9 +73,8 @@ def stray_gradient(module: torch.nn.Module, optimizer: torch.optim.Optimizer,
     ``before``: each parameter of ``module`` and its gradient before the capture."""
     trained = set(map(id, _trained(optimizer)))
     buffers = {id(p): g for p, g in window}
-    return next((name for (name, p), (_, grad) in zip(module.named_parameters(), before)
-                 if id(p) in trained and p.grad is not None and p.grad is not grad and buffers.get(id(p)) is not p.grad),
-                None)
+    return next((name for (name, p), (_, grad) in zip(module.named_parameters(), before) if id(p) in trained
+                 and p.grad is not None and p.grad is not grad and buffers.get(id(p)) is not p.grad), None)
 
 
 def mismatched_gradient(optimizer: torch.optim.Optimizer,
