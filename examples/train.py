@@ -8,6 +8,7 @@ parameters are bitwise equal to an eager run with the same seed and data. Config
     python examples/train.py trainer.max_steps=100 model.depth=8 model.width=256 data.batch_size=64  # on a device
     python examples/train.py graph.warmup_steps=5 graph.max_signatures=2   # also graph the short last batch
     python examples/train.py graph.mode=whole_step                          # one graph for the whole step
+    python examples/train.py graph.mode=whole_step trainer.accumulate_grad_batches=4  # a graph per micro-batch kind
     python examples/train.py graph.mode=off                                 # one eager fit only
     python examples/train.py trainer.precision=bf16-mixed compare_eager=false
     NPUGRAPH_BACKEND=emulate python examples/train.py                       # or graph.backend=emulate
@@ -183,7 +184,7 @@ def fit(cfg: DictConfig, backend: Backend, data: Tuple[TensorDataset, TensorData
     callbacks: List[Callback] = [timer] + ([graph_callback] if graph_callback is not None else [])
     trainer = pl.Trainer(
         accelerator=ACCELERATORS[backend.name], devices=1, max_steps=cfg.trainer.max_steps,
-        precision=cfg.trainer.precision, val_check_interval=cfg.trainer.val_check_interval,
+        accumulate_grad_batches=cfg.trainer.accumulate_grad_batches, precision=cfg.trainer.precision, val_check_interval=cfg.trainer.val_check_interval,
         check_val_every_n_epoch=None, deterministic=cfg.trainer.deterministic, callbacks=callbacks,
         logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
         num_sanity_val_steps=0)
@@ -245,10 +246,11 @@ def final_loss(trainer: pl.Trainer) -> str:
 SECTIONS = ("model", "data", "trainer", "graph")
 TOP_LEVEL = ("compare_eager",) + SECTIONS
 SETTINGS = {"data": ("seq", "batch_size", "num_samples", "val_samples"),
-            "trainer": ("seed", "max_steps", "precision", "val_check_interval", "deterministic")}
+            "trainer": ("seed", "max_steps", "accumulate_grad_batches", "precision", "val_check_interval",
+                        "deterministic")}
 COUNTS = ("model.in_features", "model.width", "model.depth", "model.heads", "model.mlp_ratio", "model.num_classes",
           "data.seq", "data.batch_size", "data.num_samples", "data.val_samples", "trainer.max_steps",
-          "trainer.val_check_interval")
+          "trainer.accumulate_grad_batches", "trainer.val_check_interval")
 PRECISIONS = ("32-true", "bf16-mixed", "16-mixed", "bf16-true", "16-true", "64-true")
 
 
