@@ -263,3 +263,47 @@ def test_parameters_outside_the_optimizer_accumulate_as_in_eager():
     graphed, t = _fit(HeadOnly, _whole_step(), max_steps=10, accumulate_grad_batches=2)
     assert _same(eager, graphed) and t.callbacks[-1].report()[0]["replays"] > 10
     assert all(torch.equal(a.grad, b.grad) for a, b in zip(eager.blocks.parameters(), graphed.blocks.parameters()))
+
+
+class Centralized(Scheduled):
+    """Gradient centralisation: a hook inside the step binds new gradient tensors."""
+
+    def on_before_optimizer_step(self, optimizer):
+        for p in self.parameters():
+            if p.grad is not None and p.grad.dim() > 1:
+                p.grad = p.grad - p.grad.mean(dim=1, keepdim=True)
+
+
+class SumsGradientsBeforeZeroing(Scheduled):
+    """A hook inside the step that reads the gradients of the step before (which the step then drops)."""
+
+    def __init__(self):
+        super().__init__(optimizer="adamw")
+        self.register_buffer("total", torch.zeros(()))
+
+    def on_before_zero_grad(self, optimizer):
+        with torch.no_grad():
+            for p in self.parameters():
+                if p.grad is not None:
+                    self.total.add_(p.grad.sum())
+
+
+class ZeroesGradientsMidWindow(Callback):
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if batch_idx % 4 == 1:  # user code between micro-batches: Lightning's gradients are gone
+            pl_module.zero_grad()
+        elif batch_idx % 4 == 2:
+            for p in pl_module.parameters():
+                p.grad = p.grad * 0.5
+
+
+@pytest.mark.parametrize("model,callbacks,accumulate", [
+    (lambda: Centralized(optimizer="adamw"), [], 2),
+    (SumsGradientsBeforeZeroing, [], 1),
+    (SumsGradientsBeforeZeroing, [], 3),
+    (lambda: Scheduled(optimizer="adamw"), [ZeroesGradientsMidWindow()], 4),
+], ids=["hook-binds-new-gradients", "hook-reads-last-gradients", "hook-reads-last-window", "user-code-mid-window"])
+def test_gradients_bound_anew_by_hooks_or_user_code_are_what_the_graphs_read(model, callbacks, accumulate):
+    eager, _ = _fit(model, callbacks, max_steps=8, accumulate_grad_batches=accumulate)
+    graphed, t = _fit(model, callbacks + _whole_step(), max_steps=8, accumulate_grad_batches=accumulate)
+    assert _same(eager, graphed) and t.callbacks[-1].report()[0]["replays"] > 4

@@ -51,8 +51,8 @@ def micro_batch(trainer: "pl.Trainer", batch_idx: int) -> MicroBatch:
 
 
 def hand_over(grads: List[Tuple[torch.Tensor, torch.Tensor]]) -> None:
-    """Put each parameter's gradient into the buffer a graph adds to, where an eager step left another one (an
-    eager first micro-batch, under ``zero_grad(set_to_none=True)``, makes new gradients; None adds nothing)."""
+    """Put each parameter's gradient into the buffer a graph reads, where something else is bound (an eager first
+    micro-batch, under ``zero_grad(set_to_none=True)``, makes new gradients; None adds nothing)."""
     for p, buffer in grads:
         grad = p.grad
         if grad is not buffer:
@@ -68,13 +68,13 @@ def _trained(optimizer: torch.optim.Optimizer) -> List[torch.Tensor]:
 def stray_gradient(module: torch.nn.Module, optimizer: torch.optim.Optimizer,
                    window: List[Tuple[torch.Tensor, torch.Tensor]],
                    before: List[Tuple[torch.Tensor, Optional[torch.Tensor]]]) -> Optional[str]:
-    """The name of a trained parameter that a later micro-batch's capture gave a new gradient, not the buffer the
-    window's first micro-batch writes (it got none there: a branch taken only on later micro-batches).
-    ``before``: each parameter of ``module`` and its gradient before the capture."""
+    """The name of a trained parameter outside the window (it got no gradient in its first micro-batch: a branch
+    taken only on later ones) that a later micro-batch's capture gave a gradient. ``before``: each parameter of
+    ``module`` and its gradient before the capture."""
     trained = set(map(id, _trained(optimizer)))
-    buffers = {id(p): g for p, g in window}
+    in_window = set(map(id, (p for p, _ in window)))
     return next((name for (name, p), (_, grad) in zip(module.named_parameters(), before) if id(p) in trained
-                 and p.grad is not None and p.grad is not grad and buffers.get(id(p)) is not p.grad), None)
+                 and id(p) not in in_window and p.grad is not None and p.grad is not grad), None)
 
 
 def mismatched_gradient(optimizer: torch.optim.Optimizer,

@@ -117,6 +117,16 @@ def _stray_gradient_error(name: str, accumulate: int) -> GraphCaptureError:
         "mode='submodules'", module_name="training_step")
 
 
+def _gradient_inputs(grads: List[Tuple[torch.Tensor, Optional[torch.Tensor]]],
+                     window: Optional[List[Tuple[torch.Tensor, torch.Tensor]]],
+                     read: set) -> List[Tuple[torch.Tensor, torch.Tensor]]:
+    """The gradients (of ``grads``, each parameter's before a capture) that the captured graph reads: those of the
+    ``window`` it adds to, and others its ops read (``read``: storage addresses)."""
+    in_window = set(map(id, (p for p, _ in window or ())))
+    return [(p, grad) for p, grad in grads
+            if grad is not None and (id(p) in in_window or storage_address(grad) in read)]
+
+
 def _clone(value: Any) -> Any:
     return value.clone() if isinstance(value, torch.Tensor) else value
 
@@ -146,8 +156,11 @@ class CapturedStep:
     written_leaves: List[int]  # batch tensors the step writes in place, copied back after a replay
     leaves_require_grad: bool
     static_result: Dict[str, Any]
-    # (parameter, the gradient buffer the graph writes): its own, or the window's first micro-batch's
+    # (parameter, the gradient the graph leaves in .grad), of the trained parameters
     static_grads: List[Tuple[torch.Tensor, torch.Tensor]]
+    # (parameter, a gradient the graph reads): the buffers a later micro-batch adds to (the window's first one's), and
+    # the gradients before the step that its hooks read (on_before_zero_grad); .grad is copied into them first
+    inputs: List[Tuple[torch.Tensor, torch.Tensor]]
     logs: StepLogRecorder
     attributes: StateAttributes
     baked: BakedSetup  # what the graph bakes in, checked before each replay
@@ -365,15 +378,18 @@ class WholeStepGrapher:
             written_leaves=written_leaves,
             leaves_require_grad=any(isinstance(t, torch.Tensor) and t.requires_grad for t in static_leaves),
             static_result=result, logs=logs, attributes=attributes, baked=baked, record=record,
-            static_grads=window if window is not None else [
-                (p, p.grad) for group in opt.param_groups for p in group["params"] if p.grad is not None])
+            static_grads=[(p, p.grad) for group in opt.param_groups for p in group["params"] if p.grad is not None],
+            inputs=_gradient_inputs(grads, window, attributes.reads.read))
         self.keys[micro] = key
         self._warn_values_inside(module, baked)
         self.status = "graphed"
         self.capture_delay = 0
         self._waited_for_filled = False  # a later recapture may land on an epoch's first batch again
         self._waited_for_host_values = False
-        # Capture runs no kernels: this replay is the capture step's update.
+        # Capture runs no kernels: this replay is the capture step's update, from the gradients it read (which the
+        # capture's Python may have rebound: p.grad = p.grad * 0.5 in a hook).
+        for p, grad in captured.inputs:
+            p.grad = grad
         return self.replay_step(loop, captured, batch=kwargs["batch"])
 
     def _warn_if_batch_changed(self, batch: Any, spec: Any, static_leaves: List[Any]) -> None:
@@ -424,12 +440,13 @@ class WholeStepGrapher:
                 for static, new in zip(captured.static_leaves, leaves):
                     if isinstance(static, torch.Tensor) and static.data_ptr() != new.data_ptr():
                         static.copy_(new, non_blocking=True)
-        if self.eager_in_window:
-            if captured.micro_batch.zero_grad:
-                drop_other_gradients(self.optimizer, captured.static_grads)
-                self.eager_in_window = False
-            else:  # (checked by the loop: the eager one made gradients of the window's parameters, of no others)
-                hand_over(captured.static_grads)
+        # Eager micro-batches, hooks (p.grad = p.grad * 0.5) and user code (zero_grad() between micro-batches) may
+        # have bound other gradients (when eager micro-batches made gradients of other parameters, the loop runs
+        # the window eager instead).
+        hand_over(captured.inputs)
+        if self.eager_in_window and captured.micro_batch.zero_grad:
+            drop_other_gradients(self.optimizer, captured.static_grads)
+            self.eager_in_window = False
         captured.graph.replay()
         self.replays += 1
         captured.record["replays"] += 1
