@@ -184,7 +184,8 @@ def fit(cfg: DictConfig, backend: Backend, data: Tuple[TensorDataset, TensorData
     callbacks: List[Callback] = [timer] + ([graph_callback] if graph_callback is not None else [])
     trainer = pl.Trainer(
         accelerator=ACCELERATORS[backend.name], devices=1, max_steps=cfg.trainer.max_steps,
-        accumulate_grad_batches=cfg.trainer.accumulate_grad_batches, precision=cfg.trainer.precision, val_check_interval=cfg.trainer.val_check_interval,
+        accumulate_grad_batches=cfg.trainer.accumulate_grad_batches, precision=cfg.trainer.precision,
+        val_check_interval=cfg.trainer.val_check_interval,
         check_val_every_n_epoch=None, deterministic=cfg.trainer.deterministic, callbacks=callbacks,
         logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
         num_sanity_val_steps=0)

@@ -55,7 +55,7 @@ def test_whole_step_fit_with_gradient_accumulation(tmp_path):
     result = run_job(tmp_path, *SMALL, "graph.mode=whole_step", "trainer.accumulate_grad_batches=3")
     assert result.returncode == 0, result.stderr
     assert "micro-batch 1 of 3 (zero_grad, backward): replays" in result.stdout
-    assert "micro-batch 3 of 3 (backward, optimizer step): replays" in result.stdout
+    assert "micro-batch 3 of 3 or an epoch's last (backward, optimizer step): replays" in result.stdout
     assert "parameters bitwise equal to eager: True" in result.stdout
 
 

@@ -1687,17 +1687,22 @@ def _list_batches():
         torch.stack([r[0] for r in rows]), torch.stack([r[1] for r in rows])])
 
 
-def test_what_the_step_writes_reaches_later_hooks_as_in_eager():
+@pytest.mark.parametrize("accumulate", [1, 3])
+def test_what_the_step_writes_reaches_later_hooks_as_in_eager(accumulate):
+    # (under accumulation, the graphs of several kinds of micro-batch write the attribute, each its own tensor)
     def run(callbacks):
         torch.manual_seed(0)
         model = KeepsStepValues()
-        trainer(callbacks, max_steps=8, val_check_interval=None, limit_val_batches=0).fit(model, _list_batches())
+        trainer(callbacks, max_steps=8, val_check_interval=None, limit_val_batches=0,
+                accumulate_grad_batches=accumulate).fit(model, _list_batches())
         return model
 
     eager, graphed = run([]), run([NPUGraphCallback(mode="whole_step")])
     assert _same(eager, graphed)
-    assert len({id(loss) for loss, _ in graphed.kept}) == 8, "each step's value, not one tensor every replay writes"
+    assert len({id(loss) for loss, _ in graphed.kept}) == 8 * accumulate, (
+        "each step's value, not one tensor every replay writes")
     assert all(torch.equal(a, b) for row_a, row_b in zip(eager.kept, graphed.kept) for a, b in zip(row_a, row_b))
+    assert torch.equal(eager.last_loss, graphed.last_loss)
 
 
 def test_a_step_that_adds_to_its_batch_warns_one_that_reshapes_it_in_place_is_refused():

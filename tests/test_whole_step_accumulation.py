@@ -45,7 +45,7 @@ def test_accumulation_matches_eager_lightning(accumulate, model_kwargs):
     report = t.callbacks[-1].report()[0]
     kinds = _kinds(report)
     assert kinds[f"micro-batch 1 of {accumulate} (zero_grad, backward)"] > 10
-    assert kinds[f"micro-batch {accumulate} of {accumulate} (backward, optimizer step)"] > 10
+    assert kinds[f"micro-batch {accumulate} of {accumulate} or an epoch's last (backward, optimizer step)"] > 10
     if accumulate > 2:
         middle = "2" if accumulate == 3 else f"2-{accumulate - 1}"
         assert kinds[f"micro-batch {middle} of {accumulate} (backward)"] > 10
@@ -307,3 +307,36 @@ def test_gradients_bound_anew_by_hooks_or_user_code_are_what_the_graphs_read(mod
     eager, _ = _fit(model, callbacks, max_steps=8, accumulate_grad_batches=accumulate)
     graphed, t = _fit(model, callbacks + _whole_step(), max_steps=8, accumulate_grad_batches=accumulate)
     assert _same(eager, graphed) and t.callbacks[-1].report()[0]["replays"] > 4
+
+
+class ClipsLessEachEpoch(Callback):
+    def on_train_epoch_start(self, trainer, pl_module):
+        trainer.gradient_clip_val = 1.0 + 0.1 * trainer.current_epoch
+
+
+def test_a_setup_changed_once_an_epoch_is_captured_again_each_epoch():
+    # (each epoch replays many times between changes: not "changed on 3 steps in a row")
+    def run(graphed):
+        return _fit(lambda: Scheduled(optimizer="adamw"), [ClipsLessEachEpoch()] + (_whole_step() if graphed else []),
+                    max_steps=20, accumulate_grad_batches=3, gradient_clip_val=1.0)
+
+    eager, _ = run(False)
+    graphed, t = run(True)
+    assert _same(eager, graphed)
+    report = t.callbacks[-1].report()[0]
+    assert report["status"] == "graphed" and report["captures"] >= 9
+
+
+def test_an_epoch_s_last_batch_inside_a_window_replays_the_window_s_last_graph():
+    # 80 samples: 10 full batches an epoch, windows of 4: (0-3), (4-7), (8, 9), where 9 steps
+    g = torch.Generator().manual_seed(3)
+    data = TensorDataset(torch.randn(80, 4, generator=g), torch.randn(80, 1, generator=g))
+    eager, _ = _fit(lambda: Scheduled(optimizer="adamw"), loader=DataLoader(data, batch_size=8), max_steps=12,
+                    accumulate_grad_batches=4)
+    graphed, t = _fit(lambda: Scheduled(optimizer="adamw"), _whole_step(), DataLoader(data, batch_size=8),
+                      max_steps=12, accumulate_grad_batches=4)
+    assert _same(eager, graphed)
+    report = t.callbacks[-1].report()[0]
+    assert sorted(_kinds(report)) == ["micro-batch 1 of 4 (zero_grad, backward)", "micro-batch 2-3 of 4 (backward)",
+                                      "micro-batch 4 of 4 or an epoch's last (backward, optimizer step)"]
+    assert report["replays"] > 30

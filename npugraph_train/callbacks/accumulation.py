@@ -31,7 +31,7 @@ class MicroBatch(NamedTuple):
         if self.zero_grad:
             return f", micro-batch 1 of {accumulate} (zero_grad, backward)"
         if self.step:
-            return f", micro-batch {accumulate} of {accumulate} (backward, optimizer step)"
+            return f", micro-batch {accumulate} of {accumulate} or an epoch's last (backward, optimizer step)"
         middle = "2" if accumulate == 3 else f"2-{accumulate - 1}"
         return f", micro-batch {middle} of {accumulate} (backward)"
 

@@ -353,25 +353,6 @@ def _attribute(module: torch.nn.Module, name: str) -> Any:
     return values[name] if name in values else getattr(module, name, UNSET)
 
 
-class LrTensors:
-    """The lr tensors a converted optimizer's steps read (eager steps and every captured graph alike)."""
-
-    def __init__(self, groups: List[Dict[str, Any]]) -> None:
-        self._lrs = [group["lr"] for group in groups]
-
-    def adopt(self, groups: List[Dict[str, Any]]) -> None:
-        """Put the lr tensors the optimizer step reads back into the param groups, with the values user code
-        assigned (``group["lr"] = 1e-3`` in a hook, a timm-style scheduler): manual schedules keep working."""
-        for group, kept in zip(groups, self._lrs):
-            lr = group["lr"]
-            if lr is not kept and isinstance(kept, torch.Tensor):
-                with torch.no_grad():
-                    kept.copy_(lr) if isinstance(lr, torch.Tensor) else kept.fill_(lr)
-                group["lr"] = kept
-        if len(groups) != len(self._lrs):  # add_param_group: a setup change, found by BakedSetup.change()
-            self._lrs = [group["lr"] for group in groups]
-
-
 class BakedSetup:
     """What a captured step bakes in, remembered at capture and compared before each replay."""
 

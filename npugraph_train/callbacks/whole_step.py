@@ -6,9 +6,10 @@ whose batch is shaped like the previous step's (:mod:`.batch`) runs under captur
 into static buffers; every later step copies the new batch into those buffers, replays, and does
 Lightning's bookkeeping (progress counters, ``self.log`` values from the static tensors, the returned
 loss). A batch of another structure, shape or dtype runs as an ordinary eager step. Per-step host work
-on the replay path is: one ``tree_flatten`` of the batch and a comparison of its leaves, the setup check
-(10-20 µs on the benchmark models), the copies, ``replay()``, five counter increments, the recorded
-``log`` calls and a clone of the step's outputs.
+on the replay path is: one ``tree_flatten`` of the batch and a comparison of its leaves, the kind of
+micro-batch, the setup check (10-20 µs on the benchmark models), the copies, a look at the gradients the
+graph reads (under accumulation, every parameter's), ``replay()``, up to five counter increments, the
+recorded ``log`` calls and a clone of the step's outputs.
 
 What a captured step cannot honour is refused when the fit starts (:mod:`.step_setup`), what the graph bakes
 in is checked before each replay and what the step must not do at capture (:mod:`.step_checks`; Python
@@ -23,7 +24,7 @@ import copy
 import dataclasses
 import time
 from collections import Counter, OrderedDict
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 
 import lightning.pytorch as pl
 import torch
@@ -43,12 +44,13 @@ from ..graphed.static_inputs import disjoint, layout, static_copies
 from ..graphed.state_attributes import MODULE_INTERNALS, StateAttributes, storage_address, tensors_in
 from ..graphed.user_code import warn_at_user_code
 from ..optim import check_capture_safe, clip_grad_norm_, make_capturable, unwrap
-from .batch import (MAX_CAPTURE_DELAY, VALUES_DIFFER, BatchKey, batch_key, describe, ready_to_capture,
-                    values_differ)
 from .accumulation import (WINDOW_START, MicroBatch, drop_other_gradients, hand_over, micro_batch,
                            mismatched_gradient, stray_gradient)
+from .batch import (MAX_CAPTURE_DELAY, VALUES_DIFFER, BatchKey, batch_key, describe, ready_to_capture,
+                    values_differ)
+from .lr_tensors import LrTensors
 from .report import NOT_CAPTURED, ended_status
-from .step_checks import (BakedSetup, LrTensors, WatchedIndex, host_random_error, is_metric, python_outputs,
+from .step_checks import (BakedSetup, WatchedIndex, host_random_error, is_metric, python_outputs,
                           python_state_error, rebinding_error, recording_reads, refuse_scheduler_steps,
                           watch_host_counters)
 from .step_logs import StepLogRecorder
@@ -119,7 +121,7 @@ def _stray_gradient_error(name: str, accumulate: int) -> GraphCaptureError:
 
 def _gradient_inputs(grads: List[Tuple[torch.Tensor, Optional[torch.Tensor]]],
                      window: Optional[List[Tuple[torch.Tensor, torch.Tensor]]],
-                     read: set) -> List[Tuple[torch.Tensor, torch.Tensor]]:
+                     read: Set[int]) -> List[Tuple[torch.Tensor, torch.Tensor]]:
     """The gradients (of ``grads``, each parameter's before a capture) that the captured graph reads: those of the
     ``window`` it adds to, and others its ops read (``read``: storage addresses)."""
     in_window = set(map(id, (p for p, _ in window or ())))
@@ -181,17 +183,18 @@ class WholeStepGrapher:
         self.previous_key: Optional[BatchKey] = None  # the previous training step's batch
         self.capture_delay = 0
         self.replays = 0
-        # Per capture: batch description, why it was captured again, replays before it, time, pool bytes.
+        # Per capture: batch description, why it was captured again, its replays, time, pool bytes.
         self.captures: List[Dict[str, Any]] = []
         self.eager_steps: Counter = Counter()
         self.lrs: Optional[LrTensors] = None
         self.optimizer: Optional[torch.optim.Optimizer] = None
         self.recapture_reason: Optional[str] = None  # why the kinds in recapture_kinds wait to be captured again
-        self.recapture_kinds: set = set()
+        self.recapture_kinds: Set[MicroBatch] = set()
         # An eager step ran since the last graph that zeroes gradients: gradients may lie outside the graphs' buffers.
         self.eager_in_window = False
         self.unsettled: Optional[str] = None  # why every step runs eager: the setup changes step after step
-        self._changed_in_a_row = 0  # recaptures each made after at most one replay
+        self._changed_in_a_row = 0  # setup changes each found before any replay but the captures' own
+        self._replays_since_change = 0  # replays that were no capture's own
         self.status = NOT_CAPTURED
         self._waited_for_filled = False  # one eager step already let attributes that held nothing fill
         self._waited_for_host_values = False  # one eager step already followed a step with another batch
@@ -370,7 +373,7 @@ class WholeStepGrapher:
         reason = self.recapture_reason if micro in self.recapture_kinds else None
         self.recapture_kinds.discard(micro)
         record = {"description": describe(key) + micro.describe(self.accumulate), "reason": reason,
-                  "first_replay": self.replays, "replays": 0, "capture_seconds": time.perf_counter() - started,
+                  "replays": 0, "capture_seconds": time.perf_counter() - started,
                   "pool_bytes": captured_graph.pool_bytes()}
         self.captures.append(record)
         captured = self.steps[micro] = CapturedStep(
@@ -472,8 +475,8 @@ class WholeStepGrapher:
         self.eager_steps[reason] += 1
 
     def drop_for_recapture(self, kind: str, reason: str) -> None:
-        replayed = self.replays - self.captures[-1]["first_replay"] if self.captures else 0
-        self._changed_in_a_row = self._changed_in_a_row + 1 if replayed <= 1 else 1
+        self._changed_in_a_row = self._changed_in_a_row + 1 if not self._replays_since_change else 1
+        self._replays_since_change = 0
         # Only an optimizer left unconverted (convert_optimizers=False) holds a learning rate the graph bakes in.
         lr_fix: Optional[str] = ("Learning rates that change must be device tensors: remove convert_optimizers=False, "
                                  "or convert the optimizer with npugraph_train.optim.make_capturable"
@@ -531,7 +534,8 @@ class WholeStepGrapher:
 
 
 class _WholeStepOptimization(_AutomaticOptimization):
-    """Lightning's automatic optimization with the whole step captured once and replayed."""
+    """Lightning's automatic optimization with the whole step (each kind of micro-batch under gradient
+    accumulation) captured once and replayed."""
 
     def __init__(self, trainer: "pl.Trainer", grapher: WholeStepGrapher, original: _AutomaticOptimization) -> None:
         super().__init__(trainer)
@@ -556,6 +560,7 @@ class _WholeStepOptimization(_AutomaticOptimization):
         micro = micro_batch(self.trainer, batch_idx)
         accumulate = self.trainer.accumulate_grad_batches
         if grapher.steps and accumulate != grapher.accumulate:  # (GradientAccumulationScheduler, at an epoch's start)
+            grapher.keys.clear()  # other kinds, other batches (a window of one, which was an epoch's short last)
             grapher.drop_for_recapture("accumulation", f"accumulate_grad_batches changed from {grapher.accumulate} "
                                        f"to {accumulate}")
             if grapher.unsettled:
@@ -586,7 +591,9 @@ class _WholeStepOptimization(_AutomaticOptimization):
                 return self.eager_step(optimizer, batch_idx, kwargs, f"an eager micro-batch earlier in this window "
                                        f"{'gave' if other.grad is not None else 'did not give'} {name} a gradient, "
                                        "unlike the window's graphs (it took another branch: a batch of another "
-                                       "shape or values); the window ends eager", kind="window gradients")
+                                       "shape or values); the window ends eager. Train the same parameters on "
+                                       "every batch (a batch of another task in a window of its own), or use "
+                                       "mode='submodules'", kind="window gradients")
         if captured is None:
             if micro in grapher.recapture_kinds:
                 return self.recapture(optimizer, batch_idx, kwargs, leaves, spec, key, previous, micro)
@@ -605,6 +612,7 @@ class _WholeStepOptimization(_AutomaticOptimization):
         if shared is not None:  # views of one tensor from this batch on (another collate in a later epoch)
             return self.eager_step(optimizer, batch_idx, kwargs, f"{shared}; this step runs eager", kind="shared")
         result = grapher.replay_step(self, captured, leaves, kwargs["batch"])
+        grapher._replays_since_change += 1
         progress = self.optim_progress.optimizer
         if micro.zero_grad:
             progress.zero_grad.increment_ready()
