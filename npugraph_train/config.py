@@ -36,7 +36,8 @@ class NPUGraphConfig:
 
     Attributes:
         mode: ``off`` (eager, with a warning), ``submodules`` (graph forward+backward of the marked
-            submodules) or ``whole_step`` (one graph for the whole training step).
+            submodules) or ``whole_step`` (one graph for the whole training step; one per kind of micro-batch
+            under gradient accumulation).
         warmup_steps: ordinary training steps of each fit before capture (at least 1: the inputs of the
             marked submodules are recorded during the last one).
         modules: (submodules mode) a list of qualified names or glob patterns (``["encoder.layers.*"]``) of

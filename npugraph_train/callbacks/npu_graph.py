@@ -21,7 +21,8 @@ and are counted in the report.
 In ``whole_step`` mode, the optimizer is made capture-safe at fit start (:mod:`npugraph_train.optim`),
 setups that cannot be captured are refused with what to change, and the first step after warmup
 captures training_step, zero_grad, backward, clipping and optimizer.step as one graph, which every later
-step with a batch of the same structure replays (see :mod:`npugraph_train.callbacks.whole_step`).
+step with a batch of the same structure replays (see :mod:`npugraph_train.callbacks.whole_step`); under
+gradient accumulation, one graph per kind of micro-batch (:mod:`npugraph_train.callbacks.accumulation`).
 
 Graphs are dropped (and original forwards and loops restored) at the end of fit, on exceptions and at
 teardown; a resumed or second fit captures anew after its own warmup steps.
