@@ -12,6 +12,8 @@ from typing import TYPE_CHECKING, List, NamedTuple, Optional, Tuple
 
 import torch
 
+from ..optim.capturable import optimizer_params
+
 if TYPE_CHECKING:
     import lightning.pytorch as pl
 
@@ -61,17 +63,13 @@ def hand_over(grads: List[Tuple[torch.Tensor, torch.Tensor]]) -> None:
             p.grad = buffer
 
 
-def _trained(optimizer: torch.optim.Optimizer) -> List[torch.Tensor]:
-    return [p for group in optimizer.param_groups for p in group["params"]]
-
-
 def stray_gradient(module: torch.nn.Module, optimizer: torch.optim.Optimizer,
                    window: List[Tuple[torch.Tensor, torch.Tensor]],
                    before: List[Tuple[torch.Tensor, Optional[torch.Tensor]]]) -> Optional[str]:
     """The name of a trained parameter outside the window (it got no gradient in its first micro-batch: a branch
     taken only on later ones) that a later micro-batch's capture gave a gradient. ``before``: each parameter of
     ``module`` and its gradient before the capture."""
-    trained = set(map(id, _trained(optimizer)))
+    trained = set(map(id, optimizer_params(optimizer)))
     in_window = set(map(id, (p for p, _ in window)))
     return next((name for (name, p), (_, grad) in zip(module.named_parameters(), before) if id(p) in trained
                  and id(p) not in in_window and p.grad is not None and p.grad is not grad), None)
@@ -82,13 +80,13 @@ def mismatched_gradient(optimizer: torch.optim.Optimizer,
     """After an eager micro-batch in a window: a trained parameter that has a gradient the window's graphs do not
     add to and step, or lacks one they would step (the eager one took another branch), if there is one."""
     buffers = set(map(id, (p for p, _ in window)))
-    return next((p for p in _trained(optimizer) if (p.grad is not None) != (id(p) in buffers)), None)
+    return next((p for p in optimizer_params(optimizer) if (p.grad is not None) != (id(p) in buffers)), None)
 
 
 def drop_other_gradients(optimizer: torch.optim.Optimizer, grads: List[Tuple[torch.Tensor, torch.Tensor]]) -> None:
     """As ``zero_grad(set_to_none=True)`` would at a graph that starts a window (or a whole step): gradients that an
     eager step left on parameters the graph gives none go."""
     kept = set(map(id, (p for p, _ in grads)))
-    for p in _trained(optimizer):
+    for p in optimizer_params(optimizer):
         if id(p) not in kept:
             p.grad = None

@@ -44,6 +44,7 @@ from ..graphed.static_inputs import disjoint, layout, static_copies
 from ..graphed.state_attributes import MODULE_INTERNALS, StateAttributes, storage_address, tensors_in
 from ..graphed.user_code import warn_at_user_code
 from ..optim import check_capture_safe, clip_grad_norm_, make_capturable, unwrap
+from ..optim.capturable import optimizer_params
 from .accumulation import (WINDOW_START, MicroBatch, drop_other_gradients, hand_over, micro_batch,
                            mismatched_gradient, stray_gradient)
 from .batch import (MAX_CAPTURE_DELAY, VALUES_DIFFER, BatchKey, batch_key, describe, ready_to_capture,
@@ -381,7 +382,7 @@ class WholeStepGrapher:
             written_leaves=written_leaves,
             leaves_require_grad=any(isinstance(t, torch.Tensor) and t.requires_grad for t in static_leaves),
             static_result=result, logs=logs, attributes=attributes, baked=baked, record=record,
-            static_grads=[(p, p.grad) for group in opt.param_groups for p in group["params"] if p.grad is not None],
+            static_grads=[(p, p.grad) for p in optimizer_params(opt) if p.grad is not None],
             inputs=_gradient_inputs(grads, window, attributes.reads.read))
         self.keys[micro] = key
         self._warn_values_inside(module, baked)

@@ -56,7 +56,8 @@ def unwrap(optimizer: Any) -> Optimizer:
     return getattr(optimizer, "_optimizer", optimizer)
 
 
-def _params(optimizer: Optimizer) -> List[torch.Tensor]:
+def optimizer_params(optimizer: Optimizer) -> List[torch.Tensor]:
+    """Every parameter of the optimizer's param groups, in order."""
     return [p for group in optimizer.param_groups for p in group["params"]]
 
 
@@ -98,7 +99,7 @@ class CapturableOptimizer:
     _plain_settings: List[Dict[str, Any]]
 
     def step(self, closure: Any = None) -> Any:
-        params = _params(self)  # type: ignore[arg-type]
+        params = optimizer_params(self)  # type: ignore[arg-type]
         with _step_environment(bool(params) and params[0].device.type == "cpu", _scalar_dtype(params)):
             return super().step(closure)  # type: ignore[misc]
 
@@ -313,7 +314,7 @@ def check_capture_safe(optimizer: Any, tensor_lr_needed: bool) -> None:
         return
     _refuse_unsupported(opt)
     # torch's capturable Adam-family steps refuse CPU tensors (the emulator's): there only conversion works.
-    on_cpu = any(p.device.type == "cpu" for p in _params(opt))
+    on_cpu = any(p.device.type == "cpu" for p in optimizer_params(opt))
     # torch's fused kernels take capturable=True and CPU tensors (fused and other groups can share an optimizer).
     foreach_on_cpu = on_cpu and any(not g.get("fused") for g in opt.param_groups)
     plain = [g for g in opt.param_groups if not g.get("capturable")]
@@ -372,7 +373,7 @@ def _refuse_fused(opt: Optimizer) -> None:
     # Checked again when a converted optimizer is converted anew: its parameters may have moved to an NPU since.
     if not any(group.get("fused") for group in opt.param_groups):
         return
-    if any(p.device.type == "npu" for p in _params(opt)):
+    if any(p.device.type == "npu" for p in optimizer_params(opt)):
         raise MisconfigurationException(
             f"{type(opt).__name__}(fused=True) cannot be captured on an NPU: torch_npu's fused kernels are not known "
             "to be capture-safe (it has no _fused_adamw_ with a tensor lr, and whether its _fused_adam_ and "
